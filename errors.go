@@ -1,0 +1,143 @@
+package idem
+
+import (
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strconv"
+)
+
+// Errors the middleware reports, through Problem.Err, Observation.Err and
+// its logs. Each has its own answer; match them with errors.Is.
+var (
+	// ErrNoKey: the request carries no idempotency key (400). KeyFuncs wrap it.
+	ErrNoKey = errors.New("idem: no idempotency key")
+	// ErrInvalidKey: the key is malformed, too long, or not valid text (400).
+	// KeyFuncs wrap it.
+	ErrInvalidKey = errors.New("idem: invalid idempotency key")
+	// ErrBodyTooLarge: the request body is over Options.MaxBodyBytes (413).
+	ErrBodyTooLarge = errors.New("idem: request body too large")
+	// ErrBodyUnreadable: reading the request body failed (400).
+	ErrBodyUnreadable = errors.New("idem: request body could not be read")
+	// ErrInFlight: an earlier delivery of the key is still running and did not
+	// finish within Options.LockWait (409 with Retry-After).
+	ErrInFlight = errors.New("idem: an earlier request with this key is still in progress")
+	// ErrConflict: the claim kept failing with serialization failures or
+	// deadlocks and was given up after a bounded number of tries (409).
+	ErrConflict = errors.New("idem: claim conflicted with concurrent transactions")
+	// ErrPayloadMismatch: the key was completed for a different request body
+	// (422).
+	ErrPayloadMismatch = errors.New("idem: key reused with a different request body")
+	// ErrUnavailable: the database could not begin, claim, store or commit
+	// (503 with Retry-After). Nothing was committed.
+	ErrUnavailable = errors.New("idem: idempotency store unavailable")
+	// ErrHandlerTimeout: the handler outlived Options.HandlerTimeout and its
+	// transaction was rolled back (503 with Retry-After).
+	ErrHandlerTimeout = errors.New("idem: handler timed out")
+	// ErrTxMisuse: the handler committed or rolled back the transaction that
+	// belongs to the middleware (500).
+	ErrTxMisuse = errors.New("idem: the handler ended the middleware's transaction")
+	// ErrResponseTooLarge: the handler's response is over
+	// Options.MaxResponseBytes and cannot be stored; rolled back (500).
+	ErrResponseTooLarge = errors.New("idem: response too large to store")
+	// ErrHijack: the handler tried to hijack the connection, which cannot be
+	// made idempotent.
+	ErrHijack = errors.New("idem: hijacking is not supported under the idempotency middleware")
+)
+
+// Problem is an error answer of the middleware, rendered by
+// Options.ErrorHandler. The default renderer writes an RFC 9457
+// application/problem+json document with Type, Title, Status and Detail;
+// Err is there for logs and custom renderers and is never sent by default.
+type Problem struct {
+	Status int    // HTTP status: 400, 409, 413, 422, 500 or 503; never 410
+	Type   string // a URI naming the kind of problem
+	Title  string // a short, fixed summary of the kind
+	Detail string // safe for the caller: never SQL or internal error text
+	Key    Key    // the request's key, when it was extracted
+	Err    error  // the cause; wraps one of the Err* values above
+}
+
+// Problem type URIs, one per kind of answer.
+const problemBase = "https://github.com/pgidem/idem/blob/main/README.md#"
+
+// WriteProblem is the default Options.ErrorHandler: it writes p as a small
+// application/problem+json document. Any Retry-After header the middleware
+// set is already on w.
+func WriteProblem(w http.ResponseWriter, _ *http.Request, p *Problem) {
+	doc := struct {
+		Type   string `json:"type"`
+		Title  string `json:"title"`
+		Status int    `json:"status"`
+		Detail string `json:"detail,omitempty"`
+	}{p.Type, p.Title, p.Status, p.Detail}
+	b, _ := json.Marshal(doc) // cannot fail: strings and an int
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Cache-Control", "no-store")
+	h.Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(b)
+}
+
+// problemFor maps an error of the middleware to its answer. Details are
+// fixed strings, or the KeyFunc's own message when it wraps ErrNoKey or
+// ErrInvalidKey (our KeyFuncs write those for the caller).
+func problemFor(err error) *Problem {
+	p := &Problem{Err: err}
+	switch {
+	case errors.Is(err, ErrBodyTooLarge):
+		p.Status, p.Type, p.Title = http.StatusRequestEntityTooLarge, "body-too-large", "Request body too large"
+		p.Detail = "The request body is larger than this endpoint accepts."
+	case errors.Is(err, ErrNoKey), errors.Is(err, ErrInvalidKey):
+		p.Status, p.Type, p.Title = http.StatusBadRequest, "invalid-key", "Missing or invalid idempotency key"
+		p.Detail = trimPrefix(err.Error())
+	case errors.Is(err, ErrBodyUnreadable):
+		p.Status, p.Type, p.Title = http.StatusBadRequest, "body-unreadable", "Request body could not be read"
+	case errors.Is(err, ErrPayloadMismatch):
+		p.Status, p.Type, p.Title = http.StatusUnprocessableEntity, "payload-mismatch", "Idempotency key reused with a different body"
+		p.Detail = "This key was already used for a request with a different body."
+	case errors.Is(err, ErrInFlight):
+		p.Status, p.Type, p.Title = http.StatusConflict, "in-flight", "Request in progress"
+		p.Detail = "An earlier request with this key is still being processed; retry later."
+	case errors.Is(err, ErrConflict):
+		p.Status, p.Type, p.Title = http.StatusConflict, "conflict", "Concurrent request conflict"
+		p.Detail = "The request conflicted with a concurrent one; retry later."
+	case errors.Is(err, ErrHandlerTimeout):
+		p.Status, p.Type, p.Title = http.StatusServiceUnavailable, "timeout", "Processing timed out"
+		p.Detail = "Processing took too long and was rolled back; retry later."
+	case errors.Is(err, ErrTxMisuse):
+		p.Status, p.Type, p.Title = http.StatusInternalServerError, "internal", "Internal error"
+	case errors.Is(err, ErrResponseTooLarge):
+		p.Status, p.Type, p.Title = http.StatusInternalServerError, "internal", "Internal error"
+	default: // ErrUnavailable and anything unexpected
+		p.Status, p.Type, p.Title = http.StatusServiceUnavailable, "unavailable", "Service temporarily unavailable"
+		p.Detail = "The request was not processed; retry later."
+	}
+	p.Type = problemBase + p.Type
+	return p
+}
+
+// retryable reports whether the answer invites the sender to retry later,
+// so it carries Retry-After.
+func (p *Problem) retryable() bool {
+	return p.Status == http.StatusConflict || p.Status == http.StatusServiceUnavailable
+}
+
+func trimPrefix(s string) string {
+	const prefix = "idem: "
+	if len(s) > len(prefix) && s[:len(prefix)] == prefix {
+		return s[len(prefix):]
+	}
+	return s
+}
+
+// sqlState returns the SQLSTATE code of a PostgreSQL error, for pgx's
+// *pgconn.PgError and any driver error with the same method.
+func sqlState(err error) string {
+	var pe interface{ SQLState() string }
+	if errors.As(err, &pe) {
+		return pe.SQLState()
+	}
+	return ""
+}

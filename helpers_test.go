@@ -1,0 +1,162 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/require"
+)
+
+// fixture is one test's world: its own idempotency table and ledger table in
+// the test database, a middleware, and a server running the ledger handler
+// (or another) behind it.
+type fixture struct {
+	t      testing.TB
+	db     *sql.DB
+	table  string
+	ledger string
+	mw     *idem.Middleware
+	srv    *httptest.Server
+	runs   atomic.Int64 // how often the inner handler ran
+
+	mu   sync.Mutex
+	seen []idem.Observation
+}
+
+// newFixture builds the world. opts.KeyFunc defaults to the X-Event-Id
+// header with source "test"; opts.Table is set to the test's own table.
+// inner defaults to the ledger handler.
+func newFixture(t testing.TB, opts idem.Options, inner http.Handler) *fixture {
+	t.Helper()
+	f := &fixture{t: t, db: idem.OpenTestDB(t)}
+	f.table = idem.NewTestTable(t, f.db)
+	f.ledger = "ledger_" + f.table
+	_, err := f.db.Exec(`CREATE TABLE ` + f.ledger + ` (
+		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`)
+	require.NoError(t, err)
+	if opts.KeyFunc == nil {
+		opts.KeyFunc = idem.Header("test", "X-Event-Id")
+	}
+	opts.Table = f.table
+	user := opts.Observer
+	opts.Observer = func(o idem.Observation) {
+		f.mu.Lock()
+		f.seen = append(f.seen, o)
+		f.mu.Unlock()
+		if user != nil {
+			user(o)
+		}
+	}
+	f.mw, err = idem.New(f.db, opts)
+	require.NoError(t, err)
+	if inner == nil {
+		inner = f.ledgerHandler()
+	}
+	counted := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.runs.Add(1)
+		inner.ServeHTTP(w, r)
+	})
+	f.srv = httptest.NewServer(f.mw.Handler(counted))
+	t.Cleanup(f.srv.Close)
+	return f
+}
+
+// ledgerHandler appends the request to the ledger inside the middleware's
+// transaction and answers with the new row's id: a non-idempotent write, so
+// a second run would show as a second row and a different id.
+func (f *fixture) ledgerHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, ok := idem.Tx(r.Context())
+		if !ok {
+			http.Error(w, "no transaction", http.StatusInternalServerError)
+			return
+		}
+		key, _ := idem.KeyFromContext(r.Context())
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "read body", http.StatusInternalServerError)
+			return
+		}
+		var id int64
+		err = tx.QueryRowContext(r.Context(),
+			`INSERT INTO `+f.ledger+` (event_id, body) VALUES ($1, $2) RETURNING id`, key.EventID, body).Scan(&id)
+		if err != nil {
+			http.Error(w, "ledger write failed", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Ledger-Id", fmt.Sprint(id))
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "{\"ledger_id\": %d,  \"event\":%q}\n", id, key.EventID)
+	})
+}
+
+type reply struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// post sends one delivery with the event id header (if id != "").
+func (f *fixture) post(id string, body string, hdr ...string) reply {
+	f.t.Helper()
+	return f.do(http.MethodPost, id, body, hdr...)
+}
+
+func (f *fixture) do(method, id, body string, hdr ...string) reply {
+	f.t.Helper()
+	req, err := http.NewRequestWithContext(context.Background(), method, f.srv.URL+"/hook", bytes.NewBufferString(body))
+	require.NoError(f.t, err)
+	if id != "" {
+		req.Header.Set("X-Event-Id", id)
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(f.t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(f.t, err)
+	return reply{status: res.StatusCode, header: res.Header, body: b}
+}
+
+// count returns the rows of a table.
+func (f *fixture) count(table string) int {
+	f.t.Helper()
+	var n int
+	require.NoError(f.t, f.db.QueryRow(`SELECT count(*) FROM `+table).Scan(&n))
+	return n
+}
+
+// keys returns the idempotency rows: committed claims.
+func (f *fixture) keys() int { return f.count(`"` + f.table + `"`) }
+
+// ledgerRows returns the ledger rows: side effects that committed.
+func (f *fixture) ledgerRows() int { return f.count(f.ledger) }
+
+// observations returns a copy of what the Observer saw.
+func (f *fixture) observations() []idem.Observation {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]idem.Observation(nil), f.seen...)
+}
+
+// problem decodes an application/problem+json answer.
+func problemDoc(t testing.TB, r reply) map[string]any {
+	t.Helper()
+	require.Equal(t, "application/problem+json", r.header.Get("Content-Type"), "body: %s", r.body)
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(r.body, &doc))
+	return doc
+}

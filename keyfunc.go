@@ -1,0 +1,343 @@
+package idem
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"unicode/utf8"
+)
+
+// MaxKeyLen is the longest source or event id, in bytes, that the middleware
+// accepts. Longer values are refused with 400 before they reach SQL.
+const MaxKeyLen = 255
+
+// Key identifies one logical operation: the same Key on two requests means
+// "the same event, delivered again". Source scopes EventID, so two senders
+// (providers, tenants, endpoints) can never read each other's stored answers
+// or collide on the same id.
+type Key struct {
+	Source  string // who issued the id: "stripe", "github:1234", a tenant id
+	EventID string // the id that stays the same across the sender's retries
+}
+
+// KeyFunc extracts the Key of a request. It sees the request and its whole
+// body (already read and bounded by Options.MaxBodyBytes); it must not read
+// r.Body. An error, or a Key that fails validation (empty, longer than
+// MaxKeyLen bytes, invalid UTF-8, NUL or other control characters), is
+// answered with 400 and nothing is claimed.
+//
+// Errors that wrap ErrNoKey or ErrInvalidKey are shown to the caller in the
+// problem's detail; any other error text is logged, never sent.
+type KeyFunc func(r *http.Request, body []byte) (Key, error)
+
+// Header returns a KeyFunc that takes the event id from the request header
+// name, scoped by source. A missing header, or one sent more than once, is a
+// bad request.
+func Header(source, name string) KeyFunc {
+	mustSource("Header", source)
+	if name == "" {
+		panic("idem: Header needs a header name")
+	}
+	name = http.CanonicalHeaderKey(name)
+	return func(r *http.Request, _ []byte) (Key, error) {
+		id, err := singleHeader(r, name)
+		if err != nil {
+			return Key{}, err
+		}
+		return Key{Source: source, EventID: id}, nil
+	}
+}
+
+// JSONField returns a KeyFunc that takes the event id from a field of the
+// JSON request body, scoped by source. The path is a dot-separated list of
+// object keys: "id" is the top-level field, "data.id" reaches into nested
+// objects. The field must be a string or a number (a number's id is its
+// literal text). Malformed JSON, a missing field, another type, or a key that
+// appears twice on the path are bad requests.
+//
+// JSONField panics if path is empty or has an empty segment: that is a
+// programming error, caught when the KeyFunc is built.
+func JSONField(source, path string) KeyFunc {
+	mustSource("JSONField", source)
+	segs := strings.Split(path, ".")
+	for _, s := range segs {
+		if s == "" {
+			panic(fmt.Sprintf("idem: JSONField path %q has an empty segment", path))
+		}
+	}
+	return func(_ *http.Request, body []byte) (Key, error) {
+		id, err := jsonField(body, segs)
+		if err != nil {
+			return Key{}, err
+		}
+		return Key{Source: source, EventID: id}, nil
+	}
+}
+
+// IdempotencyKey returns a KeyFunc for the IETF Idempotency-Key request
+// header (draft-ietf-httpapi-idempotency-key-header): a Structured Field
+// string such as `"8e03978e-40d5-43e8-bc93-6894a57f9324"`, or, leniently, the
+// same value sent bare. Parameters after a quoted key are ignored. Keys are
+// scoped by source: give each client or tenant its own source (with a custom
+// KeyFunc that calls this one) so that one client can never hit another's key.
+func IdempotencyKey(source string) KeyFunc {
+	mustSource("IdempotencyKey", source)
+	return func(r *http.Request, _ []byte) (Key, error) {
+		raw, err := singleHeader(r, "Idempotency-Key")
+		if err != nil {
+			return Key{}, err
+		}
+		id, err := ParseIdempotencyKey(raw)
+		if err != nil {
+			return Key{}, err
+		}
+		return Key{Source: source, EventID: id}, nil
+	}
+}
+
+// Stripe returns the KeyFunc for Stripe webhooks: the event id ("evt_...")
+// from the body's top-level "id", with source "stripe". Verify the
+// Stripe-Signature before this middleware runs.
+func Stripe() KeyFunc { return JSONField("stripe", "id") }
+
+// GitHub returns the KeyFunc for GitHub webhooks: the X-GitHub-Delivery GUID,
+// scoped by the X-GitHub-Hook-ID header (source "github:<hook id>"), because
+// every hook that fires for one event shares the delivery GUID. Without a hook
+// id header the source is "github".
+func GitHub() KeyFunc {
+	return func(r *http.Request, _ []byte) (Key, error) {
+		id, err := singleHeader(r, "X-Github-Delivery")
+		if err != nil {
+			return Key{}, err
+		}
+		source := "github"
+		if hook := r.Header.Get("X-Github-Hook-Id"); hook != "" {
+			source = "github:" + hook
+		}
+		return Key{Source: source, EventID: id}, nil
+	}
+}
+
+// Shopify returns the KeyFunc for Shopify webhooks: the X-Shopify-Event-Id
+// header, which stays the same across retries, with source "shopify".
+func Shopify() KeyFunc { return Header("shopify", "X-Shopify-Event-Id") }
+
+// StandardWebhooks returns the KeyFunc for senders that follow the Standard
+// Webhooks specification (and Svix): the webhook-id header, or svix-id when
+// webhook-id is absent, scoped by source (name the sender: "resend", "clerk").
+func StandardWebhooks(source string) KeyFunc {
+	mustSource("StandardWebhooks", source)
+	return func(r *http.Request, _ []byte) (Key, error) {
+		name := "Webhook-Id"
+		if len(r.Header.Values(name)) == 0 {
+			name = "Svix-Id"
+		}
+		id, err := singleHeader(r, name)
+		if err != nil {
+			return Key{}, fmt.Errorf("%w (webhook-id or svix-id)", err)
+		}
+		return Key{Source: source, EventID: id}, nil
+	}
+}
+
+func mustSource(fn, source string) {
+	if err := validatePart("source", source); err != nil {
+		panic(fmt.Sprintf("idem: %s: %v", fn, err))
+	}
+}
+
+func singleHeader(r *http.Request, name string) (string, error) {
+	vs := r.Header.Values(name)
+	switch {
+	case len(vs) == 0 || (len(vs) == 1 && vs[0] == ""):
+		return "", fmt.Errorf("%w: header %s is missing", ErrNoKey, name)
+	case len(vs) > 1:
+		return "", fmt.Errorf("%w: header %s is sent more than once", ErrInvalidKey, name)
+	}
+	return vs[0], nil
+}
+
+// ParseIdempotencyKey parses the value of an Idempotency-Key header: an
+// RFC 8941 sf-string (quoted, with \" and \\ escapes, optionally followed by
+// ;parameters, which are ignored) or a bare value of visible ASCII characters
+// without quotes, commas, semicolons or backslashes. The result is the key
+// without quotes or escapes. Errors wrap ErrInvalidKey.
+func ParseIdempotencyKey(v string) (string, error) {
+	v = strings.Trim(v, " \t")
+	if v == "" {
+		return "", fmt.Errorf("%w: Idempotency-Key is empty", ErrNoKey)
+	}
+	if v[0] != '"' {
+		for i := 0; i < len(v); i++ {
+			c := v[i]
+			if c <= ' ' || c >= 0x7f || c == '"' || c == ',' || c == ';' || c == '\\' {
+				return "", fmt.Errorf("%w: Idempotency-Key must be a quoted string or a bare token", ErrInvalidKey)
+			}
+		}
+		return v, nil
+	}
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		c := v[i]
+		switch {
+		case c == '\\':
+			i++
+			if i == len(v) || (v[i] != '"' && v[i] != '\\') {
+				return "", fmt.Errorf("%w: Idempotency-Key has an invalid escape", ErrInvalidKey)
+			}
+			b.WriteByte(v[i])
+		case c == '"':
+			rest := strings.TrimLeft(v[i+1:], " \t")
+			if rest != "" && rest[0] != ';' {
+				return "", fmt.Errorf("%w: Idempotency-Key has text after the closing quote", ErrInvalidKey)
+			}
+			return b.String(), nil
+		case c < 0x20 || c >= 0x7f:
+			return "", fmt.Errorf("%w: Idempotency-Key must be printable ASCII", ErrInvalidKey)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", fmt.Errorf("%w: Idempotency-Key has no closing quote", ErrInvalidKey)
+}
+
+// jsonField finds the string or number at path in body without decoding the
+// whole document into maps. The body must be valid JSON as a whole, and no
+// object on the path may carry the wanted key twice.
+func jsonField(body []byte, path []string) (string, error) {
+	// RFC 8259: JSON exchanged between systems is UTF-8. encoding/json
+	// would quietly turn invalid bytes into U+FFFD, and two different bodies
+	// into the same id.
+	if !utf8.Valid(body) || !json.Valid(body) {
+		return "", fmt.Errorf("%w: the body is not valid JSON", ErrInvalidKey)
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	id, found, err := findField(dec, path, 0)
+	if err != nil {
+		return "", err
+	}
+	if !found {
+		return "", fmt.Errorf("%w: field %s is missing", ErrNoKey, dotted(path))
+	}
+	return id, nil
+}
+
+// findField reads one whole JSON value from dec, which must be an object,
+// and looks for path[depth:] inside it.
+func findField(dec *json.Decoder, path []string, depth int) (id string, found bool, err error) {
+	if err := enterObject(dec); err != nil {
+		return "", false, fmt.Errorf("%w: %s is not a JSON object", ErrInvalidKey, dotted(path[:depth]))
+	}
+	seg := path[depth]
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return "", false, err
+		}
+		if name, _ := tok.(string); name != seg {
+			if err := skipValue(dec); err != nil {
+				return "", false, err
+			}
+			continue
+		}
+		if found {
+			return "", false, fmt.Errorf("%w: field %s appears more than once", ErrInvalidKey, dotted(path[:depth+1]))
+		}
+		found = true
+		if depth+1 < len(path) {
+			var sub bool
+			id, sub, err = findField(dec, path, depth+1)
+			if err != nil {
+				return "", false, err
+			}
+			if !sub {
+				return "", false, fmt.Errorf("%w: field %s is missing", ErrNoKey, dotted(path))
+			}
+			continue
+		}
+		tok, err = dec.Token()
+		if err != nil {
+			return "", false, err
+		}
+		switch t := tok.(type) {
+		case string:
+			id = t
+		case json.Number:
+			id = t.String()
+		default:
+			return "", false, fmt.Errorf("%w: field %s must be a string or a number", ErrInvalidKey, dotted(path))
+		}
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return "", false, err
+	}
+	return id, found, nil
+}
+
+func dotted(path []string) string {
+	if len(path) == 0 {
+		return "the body"
+	}
+	return fmt.Sprintf("%q", strings.Join(path, "."))
+}
+
+func enterObject(dec *json.Decoder) error {
+	tok, err := dec.Token()
+	if err != nil {
+		return err
+	}
+	if d, ok := tok.(json.Delim); !ok || d != '{' {
+		return errors.New("not an object")
+	}
+	return nil
+}
+
+// skipValue consumes one complete JSON value.
+func skipValue(dec *json.Decoder) error {
+	depth := 0
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		if d, ok := tok.(json.Delim); ok {
+			if d == '{' || d == '[' {
+				depth++
+			} else {
+				depth--
+			}
+		}
+		if depth == 0 {
+			return nil
+		}
+	}
+}
+
+// validateKey applies the rules every Key must pass before it reaches SQL.
+func validateKey(k Key) error {
+	if err := validatePart("source", k.Source); err != nil {
+		return err
+	}
+	return validatePart("event id", k.EventID)
+}
+
+func validatePart(what, s string) error {
+	switch {
+	case s == "":
+		return fmt.Errorf("%w: the %s is empty", ErrNoKey, what)
+	case len(s) > MaxKeyLen:
+		return fmt.Errorf("%w: the %s is longer than %d bytes", ErrInvalidKey, what, MaxKeyLen)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%w: the %s is not valid UTF-8", ErrInvalidKey, what)
+	}
+	for _, c := range s {
+		if c < 0x20 || c == 0x7f || (c >= 0x80 && c < 0xa0) {
+			return fmt.Errorf("%w: the %s contains a control character", ErrInvalidKey, what)
+		}
+	}
+	return nil
+}

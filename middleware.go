@@ -1,0 +1,691 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Defaults for the zero values of Options.
+const (
+	DefaultLockWait         = 2 * time.Second
+	DefaultMaxBodyBytes     = 1 << 20 // 1 MiB
+	DefaultMaxResponseBytes = 1 << 20 // 1 MiB
+	DefaultRetryAfter       = time.Second
+	DefaultHandlerTimeout   = 30 * time.Second
+)
+
+// maxClaimAttempts bounds how often one request begins a claim transaction:
+// retries after serialization failures or deadlocks, and after waiting for an
+// original that rolled back.
+const maxClaimAttempts = 4
+
+// DefaultReplayHeaders are the response headers stored and replayed when
+// Options.ReplayHeaders is nil. Content-Type is always replayed.
+var DefaultReplayHeaders = []string{
+	"Content-Type", "Content-Encoding", "Content-Language", "Content-Location",
+	"Location", "ETag", "Last-Modified", "Cache-Control", "Link", "Vary",
+}
+
+// neverReplayed are headers that carry credentials or session state: they
+// are never stored, and New refuses them in ReplayHeaders.
+var neverReplayed = map[string]bool{
+	"Set-Cookie": true, "Set-Cookie2": true, "Authorization": true, "Proxy-Authorization": true,
+	"Www-Authenticate": true, "Proxy-Authenticate": true, "Cookie": true,
+	"Content-Length": true, "Transfer-Encoding": true, "Connection": true, "Trailer": true,
+	"Idempotent-Replayed": true,
+}
+
+// Options configures a Middleware. The zero value of every field but KeyFunc
+// means its documented default.
+type Options struct {
+	// KeyFunc extracts the key of a request. Required.
+	KeyFunc KeyFunc
+
+	// Table is the idempotency table, "" for DefaultTable. It may be
+	// schema-qualified ("billing.webhook_keys"); each part is quoted as given.
+	Table string
+
+	// LockWait is the longest a duplicate waits for an in-flight original to
+	// finish before it is answered 409 with Retry-After: 0 means
+	// DefaultLockWait (2s); a negative value answers 409 at once. The wait
+	// holds one pooled connection; keep it under the sender's timeout.
+	LockWait time.Duration
+
+	// Methods are the request methods the middleware makes idempotent; other
+	// methods (GET, HEAD, OPTIONS, ...) go straight to the handler, without a
+	// transaction. nil means POST, PUT, PATCH and DELETE.
+	Methods []string
+
+	// MaxBodyBytes bounds the request body, which is read in full before the
+	// key is extracted; larger bodies get 413. 0 means
+	// DefaultMaxBodyBytes (1 MiB).
+	MaxBodyBytes int64
+
+	// MaxResponseBytes bounds the buffered response; a handler that writes
+	// more is rolled back and answered 500. 0 means DefaultMaxResponseBytes
+	// (1 MiB).
+	MaxResponseBytes int64
+
+	// CacheStatus reports whether a handler's status is final: stored,
+	// committed with the handler's writes, and replayed to every duplicate.
+	// Any other status rolls back the claim and the handler's writes, so a
+	// redelivery runs the handler again. nil means 2xx only.
+	CacheStatus func(status int) bool
+
+	// ReplayHeaders are the response headers stored and replayed, besides
+	// Content-Type. nil means DefaultReplayHeaders. Set-Cookie, credentials
+	// and hop-by-hop headers are refused by New.
+	ReplayHeaders []string
+
+	// RetryAfter is sent as Retry-After (whole seconds, at least 1) with
+	// 409 and 503 answers. 0 means DefaultRetryAfter (1s).
+	RetryAfter time.Duration
+
+	// HandlerTimeout bounds the whole transaction: claim, handler, store and
+	// commit. The handler's request context is detached from the client's
+	// connection (a client that hangs up does not cancel the work, so its
+	// redelivery gets the replay) and carries this deadline instead; when it
+	// passes, the transaction is rolled back and the answer is 503.
+	// 0 means DefaultHandlerTimeout (30s).
+	HandlerTimeout time.Duration
+
+	// TxOptions are passed to BeginTx for the claim transaction. nil means
+	// the database default, normally READ COMMITTED, which the claim is
+	// designed for. Under REPEATABLE READ or SERIALIZABLE, serialization
+	// failures are retried a bounded number of times.
+	TxOptions *sql.TxOptions
+
+	// Logger receives one record per failed or refused request and every
+	// misuse, with source and event id, never bodies. nil means no logging.
+	Logger *slog.Logger
+
+	// ErrorHandler renders the middleware's own error answers. nil means
+	// WriteProblem (application/problem+json). Retry-After is already set
+	// on w when the answer invites a retry.
+	ErrorHandler func(w http.ResponseWriter, r *http.Request, p *Problem)
+
+	// Observer, if set, is called once per request the middleware handles,
+	// after the answer is written, with its outcome and timings. It runs on
+	// the request's goroutine: keep it fast (count, don't block).
+	Observer func(Observation)
+}
+
+// Outcome is what became of one request.
+type Outcome int
+
+// The outcomes an Observer sees.
+const (
+	// OutcomeCompleted: the key was claimed, the handler answered a final
+	// status, and claim, writes and answer committed together.
+	OutcomeCompleted Outcome = iota + 1
+	// OutcomeReplayed: a duplicate of a completed key, answered with the
+	// stored response.
+	OutcomeReplayed
+	// OutcomeInFlight: a duplicate whose original was still running (409).
+	OutcomeInFlight
+	// OutcomeMismatch: the key was completed for a different body (422).
+	OutcomeMismatch
+	// OutcomeRolledBack: the key was claimed, but the handler answered a
+	// status that is not cached, panicked, timed out, misused the
+	// transaction or wrote too much; nothing was committed.
+	OutcomeRolledBack
+	// OutcomeRejected: the request was refused before any claim (400, 413).
+	OutcomeRejected
+	// OutcomeStoreError: the database failed to begin, claim, store or
+	// commit (503), or the claim kept conflicting (409); nothing was
+	// committed.
+	OutcomeStoreError
+)
+
+var outcomeNames = [...]string{"", "completed", "replayed", "in_flight", "mismatch", "rolled_back", "rejected", "store_error"}
+
+// String returns the outcome's name in snake case, for metric labels.
+func (o Outcome) String() string {
+	if o > 0 && int(o) < len(outcomeNames) {
+		return outcomeNames[o]
+	}
+	return "Outcome(" + strconv.Itoa(int(o)) + ")"
+}
+
+// Observation describes one request the middleware handled.
+type Observation struct {
+	Outcome  Outcome
+	Key      Key           // zero when the request was rejected before its key was known
+	Method   string        // the request method
+	Status   int           // the status sent to the client
+	Duration time.Duration // from the middleware's start to the answer written
+	Wait     time.Duration // time spent waiting for an in-flight original
+	Err      error         // the cause, for every outcome but completed and replayed
+}
+
+// Middleware makes handlers idempotent; build it with New and wrap handlers
+// with its Handler method. It is safe for concurrent use.
+type Middleware struct {
+	db             *sql.DB
+	table          table
+	q              queries
+	keyFunc        KeyFunc
+	lockWait       time.Duration
+	methods        []string
+	maxBody        int64
+	maxResponse    int
+	cacheStatus    func(int) bool
+	replayHeaders  []string
+	retryAfter     string
+	handlerTimeout time.Duration
+	txOptions      *sql.TxOptions
+	logger         *slog.Logger
+	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
+	observer       func(Observation)
+}
+
+// New validates opts and returns a Middleware that claims keys in db, which
+// must be a PostgreSQL database (tested with github.com/jackc/pgx/v5/stdlib)
+// where Migrate has created the table. New does not touch the database.
+func New(db *sql.DB, opts Options) (*Middleware, error) {
+	if db == nil {
+		return nil, errors.New("idem: New needs a *sql.DB")
+	}
+	if opts.KeyFunc == nil {
+		return nil, errors.New("idem: Options.KeyFunc is required")
+	}
+	t, err := parseTable(opts.Table)
+	if err != nil {
+		return nil, err
+	}
+	m := &Middleware{
+		db:             db,
+		table:          t,
+		q:              newQueries(t),
+		keyFunc:        opts.KeyFunc,
+		lockWait:       opts.LockWait,
+		maxBody:        opts.MaxBodyBytes,
+		cacheStatus:    opts.CacheStatus,
+		handlerTimeout: opts.HandlerTimeout,
+		txOptions:      opts.TxOptions,
+		logger:         opts.Logger,
+		errorHandler:   opts.ErrorHandler,
+		observer:       opts.Observer,
+	}
+	switch {
+	case opts.LockWait == 0:
+		m.lockWait = DefaultLockWait
+	case opts.LockWait < 0:
+		m.lockWait = 0
+	}
+	switch {
+	case opts.MaxBodyBytes == 0:
+		m.maxBody = DefaultMaxBodyBytes
+	case opts.MaxBodyBytes < 0:
+		return nil, errors.New("idem: Options.MaxBodyBytes must not be negative")
+	}
+	switch {
+	case opts.MaxResponseBytes == 0:
+		m.maxResponse = DefaultMaxResponseBytes
+	case opts.MaxResponseBytes < 0 || opts.MaxResponseBytes > 1<<30:
+		return nil, errors.New("idem: Options.MaxResponseBytes must be between 0 and 1 GiB")
+	default:
+		m.maxResponse = int(opts.MaxResponseBytes)
+	}
+	switch {
+	case opts.HandlerTimeout == 0:
+		m.handlerTimeout = DefaultHandlerTimeout
+	case opts.HandlerTimeout < 0:
+		return nil, errors.New("idem: Options.HandlerTimeout must not be negative")
+	}
+	retry := opts.RetryAfter
+	switch {
+	case retry == 0:
+		retry = DefaultRetryAfter
+	case retry < 0:
+		return nil, errors.New("idem: Options.RetryAfter must not be negative")
+	}
+	m.retryAfter = strconv.FormatInt(int64((retry+time.Second-1)/time.Second), 10)
+	if m.cacheStatus == nil {
+		m.cacheStatus = func(s int) bool { return s >= 200 && s < 300 }
+	}
+	if m.errorHandler == nil {
+		m.errorHandler = WriteProblem
+	}
+	methods := opts.Methods
+	if methods == nil {
+		methods = []string{http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete}
+	}
+	for _, meth := range methods {
+		if meth == "" {
+			return nil, errors.New("idem: Options.Methods has an empty method")
+		}
+		m.methods = append(m.methods, strings.ToUpper(meth))
+	}
+	headers := opts.ReplayHeaders
+	if headers == nil {
+		headers = DefaultReplayHeaders
+	}
+	m.replayHeaders = []string{"Content-Type"}
+	for _, h := range headers {
+		c := http.CanonicalHeaderKey(h)
+		if neverReplayed[c] {
+			return nil, fmt.Errorf("idem: Options.ReplayHeaders: %s is never replayed", c)
+		}
+		if c != "Content-Type" && c != "" {
+			m.replayHeaders = append(m.replayHeaders, c)
+		}
+	}
+	return m, nil
+}
+
+type ctxKey struct{}
+
+// reqState is what the middleware puts in the handler's context.
+type reqState struct {
+	tx  *sql.Tx
+	key Key
+}
+
+// Tx returns the transaction that holds the claim of the current request,
+// for the handler's business writes: they commit together with the claim and
+// the stored response, or roll back with them. The middleware owns the
+// transaction: never call Commit or Rollback on it. ok is false outside an
+// idempotent request (a method the middleware does not cover, or no
+// middleware at all).
+func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
+	s, ok := ctx.Value(ctxKey{}).(*reqState)
+	if !ok {
+		return nil, false
+	}
+	return s.tx, true
+}
+
+// KeyFromContext returns the key of the current idempotent request.
+func KeyFromContext(ctx context.Context) (Key, bool) {
+	s, ok := ctx.Value(ctxKey{}).(*reqState)
+	if !ok {
+		return Key{}, false
+	}
+	return s.key, true
+}
+
+// Handler wraps next: requests with a covered method are claimed, run inside
+// the claim's transaction and answered after commit; duplicates are answered
+// from the store. Its signature fits chi's and gorilla/mux's Use and echo's
+// WrapMiddleware.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !m.covers(r.Method) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		m.serve(w, r, next)
+	})
+}
+
+func (m *Middleware) covers(method string) bool {
+	for _, c := range m.methods {
+		if c == method {
+			return true
+		}
+	}
+	return false
+}
+
+// exchange carries one request through the middleware, for the answer, the
+// log record and the observation.
+type exchange struct {
+	m     *Middleware
+	w     http.ResponseWriter
+	r     *http.Request
+	start time.Time
+	obs   Observation
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	x := &exchange{m: m, w: w, r: r, start: time.Now()}
+	x.obs.Method = r.Method
+
+	body, err := m.readBody(r)
+	if err != nil {
+		x.fail(OutcomeRejected, problemFor(err))
+		return
+	}
+	key, err := m.keyFunc(r, body)
+	if err == nil {
+		err = validateKey(key)
+	}
+	if err != nil {
+		x.fail(OutcomeRejected, keyProblem(err))
+		return
+	}
+	x.obs.Key = key
+	digest := sha256.Sum256(body)
+
+	// The work is not tied to the client's connection: a client that hangs
+	// up mid-handler must not roll back work that its redelivery would then
+	// redo. HandlerTimeout bounds it instead.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.handlerTimeout)
+	defer cancel()
+
+	c := m.claim(ctx, key, digest[:])
+	x.obs.Wait = c.waited
+	switch {
+	case c.problem != nil:
+		x.fail(c.outcome, c.problem)
+		return
+	case c.replay != nil:
+		x.replay(c.replay)
+		return
+	}
+	m.run(ctx, x, c.tx, key, body, next)
+}
+
+// readBody reads the whole request body, bounded by MaxBodyBytes.
+func (m *Middleware) readBody(r *http.Request) ([]byte, error) {
+	if r.ContentLength > m.maxBody {
+		return nil, ErrBodyTooLarge
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return []byte{}, nil
+	}
+	var buf bytes.Buffer
+	if r.ContentLength > 0 {
+		buf.Grow(int(r.ContentLength) + 1)
+	}
+	n, err := buf.ReadFrom(io.LimitReader(r.Body, m.maxBody+1))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, ErrBodyTooLarge
+		}
+		return nil, fmt.Errorf("%w: %w", ErrBodyUnreadable, err)
+	}
+	if n > m.maxBody {
+		return nil, ErrBodyTooLarge
+	}
+	return buf.Bytes(), nil
+}
+
+// keyProblem answers a KeyFunc or validation error with 400. Only errors
+// that wrap ErrNoKey or ErrInvalidKey have their text shown to the caller;
+// a custom KeyFunc's other errors may carry anything.
+func keyProblem(err error) *Problem {
+	if errors.Is(err, ErrNoKey) || errors.Is(err, ErrInvalidKey) {
+		return problemFor(err)
+	}
+	p := problemFor(fmt.Errorf("%w: %w", ErrInvalidKey, err))
+	p.Detail = "The request carries no valid idempotency key."
+	return p
+}
+
+// claimResult is the outcome of claiming a key: exactly one of tx (we own
+// the key: run the handler), replay (a completed answer) or problem is set.
+type claimResult struct {
+	tx      *sql.Tx
+	replay  *stored
+	problem *Problem
+	outcome Outcome
+	waited  time.Duration
+}
+
+// claim begins the transaction and claims the key. A duplicate of a key in
+// flight waits, at most LockWait over the whole request, for the original to
+// end: then it replays the original's answer, or, if the original rolled
+// back, claims the key anew.
+func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claimResult) {
+	lock := lockID(m.table.name, k.Source, k.EventID)
+	deadline := time.Now().Add(m.lockWait)
+	storeErr := func(err error) claimResult {
+		res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
+		return res
+	}
+	var lastErr error
+	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
+		if ctx.Err() != nil {
+			return storeErr(ctx.Err())
+		}
+		tx, err := m.db.BeginTx(ctx, m.txOptions)
+		if err != nil {
+			return storeErr(err)
+		}
+		row, err := m.q.doClaim(ctx, tx, k, digest, lock)
+		if err == nil && !row.won && !row.visible && row.gotLock {
+			// The key conflicted, but its row committed after this
+			// statement's snapshot was taken: a new statement sees it.
+			row, err = m.q.doLookup(ctx, tx, k)
+		}
+		if err != nil {
+			_ = tx.Rollback()
+			if retryable(err) {
+				lastErr = err
+				continue
+			}
+			return storeErr(err)
+		}
+		switch {
+		case row.won:
+			res.tx = tx
+			return res
+		case row.visible:
+			_ = tx.Rollback()
+			return m.answerStored(res, row, digest)
+		case row.gotLock:
+			// Not visible even to a new statement: the snapshot is the
+			// transaction's (REPEATABLE READ or SERIALIZABLE). Start over.
+			_ = tx.Rollback()
+			continue
+		}
+		// In flight: another transaction holds the key's lock.
+		remaining := time.Until(deadline)
+		if remaining <= 0 {
+			_ = tx.Rollback()
+			res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+			return res
+		}
+		waitStart := time.Now()
+		err = m.q.doWait(ctx, tx, lock, remaining)
+		res.waited += time.Since(waitStart)
+		if err == nil {
+			row, err = m.q.doLookup(ctx, tx, k)
+		}
+		_ = tx.Rollback()
+		switch {
+		case sqlState(err) == "55P03": // lock_not_available: LockWait ran out
+			res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+			return res
+		case err != nil && retryable(err):
+			lastErr = err
+			continue
+		case err != nil:
+			return storeErr(err)
+		case row.visible:
+			return m.answerStored(res, row, digest)
+		}
+		// The original rolled back (or is invisible to this snapshot):
+		// claim again.
+	}
+	if lastErr == nil {
+		lastErr = errors.New("idem: claim attempts exhausted")
+	}
+	res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrConflict, lastErr)), OutcomeStoreError
+	return res
+}
+
+// answerStored turns a committed row into a replay, a 422, or, for a row
+// committed without its answer (a handler that committed the middleware's
+// transaction itself), a 409: that key needs an operator.
+func (m *Middleware) answerStored(res claimResult, row claimRow, digest []byte) claimResult {
+	switch {
+	case !row.completed:
+		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
+	case subtle.ConstantTimeCompare(row.stored.digest, digest) != 1:
+		res.problem, res.outcome = problemFor(ErrPayloadMismatch), OutcomeMismatch
+	default:
+		res.replay = &row.stored
+	}
+	return res
+}
+
+// retryable reports a serialization failure or a deadlock: the claim is
+// tried again in a new transaction.
+func retryable(err error) bool {
+	switch sqlState(err) {
+	case "40001", "40P01":
+		return true
+	}
+	return false
+}
+
+// run calls the handler inside the claim's transaction, then commits its
+// answer or rolls everything back.
+func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body []byte, next http.Handler) {
+	finished := false
+	defer func() {
+		if !finished { // the handler panicked: the panic goes on, nothing is sent
+			_ = tx.Rollback()
+			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, errors.New("idem: handler panicked")
+			x.observe()
+		}
+	}()
+
+	rec := newRecorder(x.w, m.maxResponse)
+	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &reqState{tx: tx, key: k}))
+	r2.Body = io.NopCloser(bytes.NewReader(body))
+	r2.ContentLength = int64(len(body))
+	next.ServeHTTP(rec, r2)
+	finished = true
+
+	status := rec.finalStatus()
+	switch {
+	case rec.overflow:
+		_ = tx.Rollback()
+		x.fail(OutcomeRolledBack, problemFor(ErrResponseTooLarge))
+		return
+	case !m.cacheStatus(status):
+		// Not final: roll back the claim and the handler's writes, so the
+		// sender's retry runs again; send the handler's answer as it is.
+		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+			m.log(x, slog.LevelWarn, "rollback failed", err)
+		}
+		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not cached", status)
+		x.answer(rec)
+		return
+	}
+
+	headers := m.encodeHeaders(rec.header)
+	err := m.q.doComplete(ctx, tx, k, status, headers, rec.body.Bytes())
+	if err == nil {
+		err = tx.Commit()
+	}
+	if err != nil {
+		_ = tx.Rollback()
+		p, o := m.finishProblem(ctx, err)
+		x.fail(o, p)
+		return
+	}
+	x.obs.Outcome = OutcomeCompleted
+	x.answer(rec)
+}
+
+// finishProblem names why storing the answer or committing failed.
+func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Outcome) {
+	switch {
+	case ctx.Err() != nil:
+		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
+	case errors.Is(err, sql.ErrTxDone):
+		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
+	}
+	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
+}
+
+// encodeHeaders keeps the allow-listed headers, as a JSON object.
+func (m *Middleware) encodeHeaders(h http.Header) []byte {
+	keep := make(map[string][]string, 2)
+	for _, name := range m.replayHeaders {
+		if v, ok := h[name]; ok {
+			keep[name] = v
+		}
+	}
+	b, _ := json.Marshal(keep) // cannot fail: strings only
+	return b
+}
+
+// replay answers a duplicate with the stored response. Headers set by
+// middleware outside this one stay; the stored ones are laid over them.
+func (x *exchange) replay(s *stored) {
+	dst := x.w.Header()
+	for k, v := range s.header {
+		dst[k] = v
+	}
+	dst.Set("Idempotent-Replayed", "true")
+	x.obs.Outcome = OutcomeReplayed
+	x.send(s.status, s.body)
+}
+
+// answer sends the handler's own answer, after commit or rollback: the
+// client sees exactly the headers the handler left on its writer.
+func (x *exchange) answer(rec *recorder) {
+	dst := x.w.Header()
+	for k := range dst {
+		if _, keep := rec.header[k]; !keep {
+			delete(dst, k)
+		}
+	}
+	for k, v := range rec.header {
+		dst[k] = v
+	}
+	x.send(rec.finalStatus(), rec.body.Bytes())
+}
+
+func (x *exchange) send(status int, body []byte) {
+	x.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	x.w.WriteHeader(status)
+	_, _ = x.w.Write(body)
+	x.obs.Status = status
+	x.observe()
+}
+
+// fail answers with the middleware's own error.
+func (x *exchange) fail(o Outcome, p *Problem) {
+	p.Key = x.obs.Key
+	if p.retryable() {
+		x.w.Header().Set("Retry-After", x.m.retryAfter)
+	}
+	x.m.errorHandler(x.w, x.r, p)
+	x.obs.Outcome, x.obs.Status, x.obs.Err = o, p.Status, p.Err
+	level := slog.LevelInfo
+	switch o {
+	case OutcomeStoreError, OutcomeRolledBack:
+		level = slog.LevelError
+	}
+	x.m.log(x, level, p.Title, p.Err)
+	x.observe()
+}
+
+func (x *exchange) observe() {
+	if x.m.observer == nil {
+		return
+	}
+	x.obs.Duration = time.Since(x.start)
+	x.m.observer(x.obs)
+}
+
+func (m *Middleware) log(x *exchange, level slog.Level, msg string, err error) {
+	if m.logger == nil {
+		return
+	}
+	m.logger.LogAttrs(x.r.Context(), level, "idem: "+msg,
+		slog.String("source", x.obs.Key.Source),
+		slog.String("event_id", x.obs.Key.EventID),
+		slog.String("method", x.r.Method),
+		slog.Any("error", err))
+}

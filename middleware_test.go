@@ -1,0 +1,680 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Each test below is one row of the behaviour table in README.md, run
+// against real PostgreSQL through HTTP.
+
+func TestNewEventCommitsClaimWritesAndAnswerTogether(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+
+	r := f.post("evt_1", `{"amount": 10}`)
+	require.Equal(t, http.StatusCreated, r.status, "body: %s", r.body)
+	// The answer is sent only after COMMIT: the moment it arrives, the claim,
+	// the ledger write and the stored answer are visible to everyone.
+	assert.Equal(t, 1, f.ledgerRows())
+	var (
+		status    int
+		body      []byte
+		completed bool
+		headers   string
+	)
+	require.NoError(t, f.db.QueryRow(`SELECT response_status, response_body, completed_at IS NOT NULL, response_headers::text
+		FROM "`+f.table+`" WHERE source = 'test' AND event_id = 'evt_1'`).Scan(&status, &body, &completed, &headers))
+	assert.Equal(t, http.StatusCreated, status)
+	assert.Equal(t, r.body, body)
+	assert.True(t, completed)
+	assert.Contains(t, headers, "application/json")
+	assert.NotContains(t, headers, "X-Ledger-Id", "not on the replay allow-list")
+	assert.Empty(t, r.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, int64(1), f.runs.Load())
+}
+
+func TestCompletedDuplicateIsReplayedByteForByte(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{ReplayHeaders: []string{"X-Ledger-Id"}}, nil)
+
+	first := f.post("evt_1", `{"amount": 10}`)
+	require.Equal(t, http.StatusCreated, first.status)
+	for i := 0; i < 3; i++ {
+		dup := f.post("evt_1", `{"amount": 10}`)
+		assert.Equal(t, first.status, dup.status)
+		assert.Equal(t, first.body, dup.body, "exact bytes, whitespace and key order included")
+		assert.Equal(t, "application/json", dup.header.Get("Content-Type"))
+		assert.Equal(t, first.header.Get("X-Ledger-Id"), dup.header.Get("X-Ledger-Id"))
+		assert.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
+	}
+	assert.Equal(t, int64(1), f.runs.Load(), "the handler ran once")
+	assert.Equal(t, 1, f.ledgerRows())
+	outcomes := []idem.Outcome{}
+	for _, o := range f.observations() {
+		outcomes = append(outcomes, o.Outcome)
+	}
+	assert.Equal(t, []idem.Outcome{idem.OutcomeCompleted, idem.OutcomeReplayed, idem.OutcomeReplayed, idem.OutcomeReplayed}, outcomes)
+}
+
+func TestCompletedKeyWithDifferentBodyIs422(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+
+	require.Equal(t, http.StatusCreated, f.post("evt_1", `{"amount": 10}`).status)
+	r := f.post("evt_1", `{"amount": 99}`)
+	assert.Equal(t, http.StatusUnprocessableEntity, r.status)
+	doc := problemDoc(t, r)
+	assert.EqualValues(t, 422, doc["status"])
+	assert.Equal(t, int64(1), f.runs.Load(), "handler not run for the mismatch")
+	assert.Equal(t, 1, f.ledgerRows())
+	assert.Equal(t, idem.OutcomeMismatch, f.observations()[1].Outcome)
+}
+
+func TestSameEventIDFromAnotherSourceIsAnotherKey(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{KeyFunc: func(r *http.Request, _ []byte) (idem.Key, error) {
+		return idem.Key{Source: r.Header.Get("X-Source"), EventID: r.Header.Get("X-Event-Id")}, nil
+	}}, nil)
+
+	a := f.post("evt_1", `{}`, "X-Source", "alpha")
+	b := f.post("evt_1", `{}`, "X-Source", "beta")
+	require.Equal(t, http.StatusCreated, a.status)
+	require.Equal(t, http.StatusCreated, b.status)
+	assert.NotEqual(t, a.body, b.body, "beta never sees alpha's stored answer")
+	assert.Empty(t, b.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 2, f.ledgerRows())
+}
+
+func TestUncoveredMethodsPassThroughWithoutTransaction(t *testing.T) {
+	t.Parallel()
+	var sawTx []bool
+	var mu sync.Mutex
+	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, ok := idem.Tx(r.Context())
+		mu.Lock()
+		sawTx = append(sawTx, ok)
+		mu.Unlock()
+		w.Header().Set("X-Method", r.Method)
+		w.WriteHeader(http.StatusTeapot)
+	}))
+	for _, m := range []string{http.MethodGet, http.MethodHead, http.MethodOptions} {
+		r := f.do(m, "evt_1", "")
+		assert.Equal(t, http.StatusTeapot, r.status, m)
+		assert.Equal(t, m, r.header.Get("X-Method"))
+	}
+	assert.Equal(t, []bool{false, false, false}, sawTx)
+	assert.Equal(t, 0, f.keys())
+	assert.Empty(t, f.observations(), "pass-through requests are not the middleware's")
+}
+
+func TestConfiguredMethodsAreTheOnlyOnesClaimed(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{Methods: []string{"put"}}, nil)
+	assert.Equal(t, http.StatusInternalServerError, f.post("evt_1", "{}").status, "POST passes through: no transaction")
+	assert.Equal(t, http.StatusCreated, f.do(http.MethodPut, "evt_1", "{}").status)
+	assert.Equal(t, 1, f.keys())
+}
+
+func TestOversizedBodyIs413AndNothingIsClaimed(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{MaxBodyBytes: 64}, nil)
+
+	t.Run("with a Content-Length", func(t *testing.T) {
+		r := f.post("evt_big", strings.Repeat("x", 65))
+		assert.Equal(t, http.StatusRequestEntityTooLarge, r.status)
+		problemDoc(t, r)
+	})
+	t.Run("chunked, without a length", func(t *testing.T) {
+		req, err := http.NewRequest(http.MethodPost, f.srv.URL, io.MultiReader(strings.NewReader(strings.Repeat("y", 100))))
+		require.NoError(t, err)
+		req.Header.Set("X-Event-Id", "evt_chunked")
+		req.ContentLength = -1 // unknown: sent chunked
+		res, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		res.Body.Close()
+		assert.Equal(t, http.StatusRequestEntityTooLarge, res.StatusCode)
+	})
+	t.Run("exactly at the limit is fine", func(t *testing.T) {
+		assert.Equal(t, http.StatusCreated, f.post("evt_ok", strings.Repeat("z", 64)).status)
+	})
+	assert.Equal(t, int64(1), f.runs.Load())
+	assert.Equal(t, 1, f.keys())
+}
+
+func TestBadKeysAre400AndNothingIsClaimed(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{KeyFunc: idem.JSONField("test", "data.id")}, nil)
+
+	cases := []struct{ name, body string }{
+		{"malformed JSON", `{"data": {"id": "evt_1"`},
+		{"missing field", `{"data": {}}`},
+		{"empty id", `{"data": {"id": ""}}`},
+		{"id over 255 bytes", `{"data": {"id": "` + strings.Repeat("a", 256) + `"}}`},
+		{"invalid UTF-8", "{\"data\": {\"id\": \"evt_\xff\"}}"},
+		{"a NUL character", `{"data": {"id": "evt\u0000"}}`},
+		{"a control character", `{"data": {"id": "evt\u001b[31m"}}`},
+		{"an object, not a string", `{"data": {"id": {"x": 1}}}`},
+		{"the field twice", `{"data": {"id": "a", "id": "b"}}`},
+		{"not an object", `["evt_1"]`},
+		{"an empty body", ``},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r := f.post("", c.body)
+			assert.Equal(t, http.StatusBadRequest, r.status, "body: %s", r.body)
+			doc := problemDoc(t, r)
+			assert.NotEmpty(t, doc["detail"])
+		})
+	}
+	t.Run("a custom KeyFunc's own error text is not shown", func(t *testing.T) {
+		g := newFixture(t, idem.Options{KeyFunc: func(*http.Request, []byte) (idem.Key, error) {
+			return idem.Key{}, errors.New("secret internal detail")
+		}}, nil)
+		r := g.post("evt_1", "{}")
+		assert.Equal(t, http.StatusBadRequest, r.status)
+		assert.NotContains(t, string(r.body), "secret")
+		assert.Equal(t, int64(0), g.runs.Load())
+		assert.Equal(t, 0, g.keys())
+	})
+	t.Run("a key of exactly 255 bytes is fine", func(t *testing.T) {
+		assert.Equal(t, http.StatusCreated, f.post("", `{"data": {"id": "`+strings.Repeat("b", 255)+`"}}`).status)
+	})
+	assert.Equal(t, int64(1), f.runs.Load(), "only the valid request ran")
+	assert.Equal(t, 1, f.keys())
+	for _, o := range f.observations()[:len(cases)] {
+		assert.Equal(t, idem.OutcomeRejected, o.Outcome)
+	}
+}
+
+func TestNonSuccessAnswerRollsBackClaimAndWrites(t *testing.T) {
+	t.Parallel()
+	fail := true
+	var f *fixture
+	f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if fail {
+			tx, _ := idem.Tx(r.Context())
+			_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+			require.NoError(t, err)
+			w.Header().Set("Set-Cookie", "session=leaked")
+			http.Error(w, "downstream unavailable", http.StatusBadGateway)
+			return
+		}
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusBadGateway, r.status, "the handler's own answer")
+	assert.Equal(t, "downstream unavailable\n", string(r.body))
+	assert.Equal(t, 0, f.ledgerRows(), "the handler's write rolled back")
+	assert.Equal(t, 0, f.keys(), "the claim rolled back: a failure is never cached")
+	assert.Equal(t, idem.OutcomeRolledBack, f.observations()[0].Outcome)
+
+	fail = false
+	r = f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusCreated, r.status, "the redelivery runs again")
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+func TestCacheStatusDecidesWhatIsFinal(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{CacheStatus: func(s int) bool { return s < 500 }},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Error(w, "permanently invalid", http.StatusBadRequest)
+		}))
+	first := f.post("evt_1", "{}")
+	dup := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusBadRequest, dup.status)
+	assert.Equal(t, first.body, dup.body)
+	assert.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, int64(1), f.runs.Load())
+}
+
+func TestPanicPropagatesAndRollsBack(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	inner := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idem.Tx(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+		require.NoError(t, err)
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte("half an answer"))
+		panic("boom")
+	})
+	// A router's recoverer around the middleware sees the panic.
+	var recovered any
+	f.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			recovered = recover()
+			http.Error(w, "recovered", http.StatusInternalServerError)
+		}()
+		f.mw.Handler(inner).ServeHTTP(w, r)
+	})
+
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, "boom", recovered)
+	assert.Equal(t, http.StatusInternalServerError, r.status)
+	assert.Equal(t, "recovered\n", string(r.body), "nothing buffered was sent")
+	assert.Equal(t, 0, f.ledgerRows())
+	assert.Equal(t, 0, f.keys())
+	assert.Equal(t, idem.OutcomeRolledBack, f.observations()[0].Outcome)
+}
+
+func TestHandlerEndingTheTransactionIsMisuse(t *testing.T) {
+	t.Parallel()
+	for _, end := range []string{"Commit", "Rollback"} {
+		t.Run("the handler calls "+end, func(t *testing.T) {
+			var f *fixture
+			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				tx, _ := idem.Tx(r.Context())
+				_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+				require.NoError(t, err)
+				if end == "Commit" {
+					require.NoError(t, tx.Commit())
+				} else {
+					require.NoError(t, tx.Rollback())
+				}
+				_, _ = w.Write([]byte("ok"))
+			}))
+			r := f.post("evt_1", "{}")
+			assert.Equal(t, http.StatusInternalServerError, r.status)
+			assert.NotContains(t, string(r.body), "ok")
+			obs := f.observations()[0]
+			assert.ErrorIs(t, obs.Err, idem.ErrTxMisuse)
+			var stored int
+			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM "`+f.table+`" WHERE completed_at IS NOT NULL`).Scan(&stored))
+			assert.Equal(t, 0, stored, "nothing cached")
+			if end == "Commit" {
+				// The handler committed its write and an incomplete claim; the
+				// middleware never runs it again (no double effect) and says so.
+				assert.Equal(t, 1, f.ledgerRows())
+				dup := f.post("evt_1", "{}")
+				assert.Equal(t, http.StatusConflict, dup.status)
+				assert.Equal(t, int64(1), f.runs.Load())
+			} else {
+				assert.Equal(t, 0, f.ledgerRows())
+				assert.Equal(t, 0, f.keys())
+			}
+		})
+	}
+}
+
+func TestInFlightDuplicateWaitsThenReplays(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-release
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", "{}") }()
+	<-entered
+	dup := make(chan reply)
+	go func() { dup <- f.post("evt_1", "{}") }()
+	// Wait until the duplicate is blocked on the original's lock, then let
+	// the original finish.
+	waitForLockWaiter(t, f.db)
+	close(release)
+	o, d := <-orig, <-dup
+	require.Equal(t, http.StatusCreated, o.status)
+	assert.Equal(t, http.StatusCreated, d.status)
+	assert.Equal(t, o.body, d.body)
+	assert.Equal(t, "true", d.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, int64(1), f.runs.Load())
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+func TestInFlightDuplicateGets409AfterLockWait(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: 50 * time.Millisecond, RetryAfter: 3 * time.Second},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-release
+			f.ledgerHandler().ServeHTTP(w, r)
+		}))
+
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", "{}") }()
+	<-entered
+	d := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusConflict, d.status)
+	assert.Equal(t, "3", d.header.Get("Retry-After"))
+	problemDoc(t, d)
+	// The duplicate gave its connection back: only the original holds one.
+	assert.Equal(t, 1, f.db.Stats().InUse)
+	obs := f.observations()
+	require.Len(t, obs, 1)
+	assert.Equal(t, idem.OutcomeInFlight, obs[0].Outcome)
+	assert.Positive(t, obs[0].Wait)
+
+	close(release)
+	require.Equal(t, http.StatusCreated, (<-orig).status)
+	assert.Equal(t, "true", f.post("evt_1", "{}").header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+func TestNegativeLockWaitAnswers409AtOnce(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: -1}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-release
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", "{}") }()
+	<-entered
+	d := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusConflict, d.status)
+	assert.Zero(t, f.observations()[0].Wait)
+	close(release)
+	<-orig
+}
+
+func TestDuplicateOfRolledBackOriginalClaimsAnew(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	first := true
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if first {
+			first = false
+			close(entered)
+			<-release
+			http.Error(w, "try again", http.StatusServiceUnavailable)
+			return
+		}
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", "{}") }()
+	<-entered
+	dup := make(chan reply)
+	go func() { dup <- f.post("evt_1", "{}") }()
+	waitForLockWaiter(t, f.db)
+	close(release)
+	assert.Equal(t, http.StatusServiceUnavailable, (<-orig).status)
+	d := <-dup
+	assert.Equal(t, http.StatusCreated, d.status, "the waiting duplicate became the original")
+	assert.Empty(t, d.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+func TestInFlightDuplicateWithDifferentBodyGets422AfterTheWait(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if f.runs.Load() == 1 {
+			close(entered)
+			<-release
+		}
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", `{"v":1}`) }()
+	<-entered
+	dup := make(chan reply)
+	go func() { dup <- f.post("evt_1", `{"v":2}`) }()
+	waitForLockWaiter(t, f.db)
+	close(release)
+	require.Equal(t, http.StatusCreated, (<-orig).status)
+	assert.Equal(t, http.StatusUnprocessableEntity, (<-dup).status)
+}
+
+// waitForLockWaiter returns when some backend of the test database waits on
+// an advisory lock: the duplicate is parked behind the original.
+func waitForLockWaiter(t *testing.T, db *sql.DB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for {
+		var n int
+		err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()`).Scan(&n)
+		require.NoError(t, err)
+		if n > 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("no duplicate started waiting for the original")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+func TestClientHangingUpDoesNotCancelTheWork(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	done := make(chan idem.Observation, 1)
+	var f *fixture
+	f = newFixture(t, idem.Options{Observer: func(o idem.Observation) { done <- o }},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if f.runs.Load() == 1 {
+				close(entered)
+				<-release
+			}
+			f.ledgerHandler().ServeHTTP(w, r)
+		}))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, f.srv.URL, strings.NewReader("{}"))
+	require.NoError(t, err)
+	req.Header.Set("X-Event-Id", "evt_1")
+	gone := make(chan error)
+	go func() {
+		res, err := http.DefaultClient.Do(req)
+		if err == nil {
+			res.Body.Close()
+		}
+		gone <- err
+	}()
+	<-entered
+	cancel()
+	require.Error(t, <-gone, "the client hung up")
+	close(release)
+	o := <-done
+	assert.Equal(t, idem.OutcomeCompleted, o.Outcome, "%v", o.Err)
+	assert.Equal(t, 1, f.ledgerRows())
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, "true", r.header.Get("Idempotent-Replayed"), "the redelivery gets the replay")
+}
+
+func TestHandlerTimeoutRollsBack(t *testing.T) {
+	t.Parallel()
+	slow := true
+	var f *fixture
+	f = newFixture(t, idem.Options{HandlerTimeout: 100 * time.Millisecond}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idem.Tx(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+		require.NoError(t, err)
+		if slow {
+			<-r.Context().Done() // the deadline is the handler's to see
+		}
+		_, _ = w.Write([]byte("done"))
+	}))
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusServiceUnavailable, r.status)
+	assert.NotEmpty(t, r.header.Get("Retry-After"))
+	assert.ErrorIs(t, f.observations()[0].Err, idem.ErrHandlerTimeout)
+	assert.Equal(t, 0, f.ledgerRows())
+	assert.Equal(t, 0, f.keys())
+
+	slow = false
+	assert.Equal(t, http.StatusOK, f.post("evt_1", "{}").status, "the redelivery succeeds")
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+func TestResponseOverTheCapRollsBack(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = newFixture(t, idem.Options{MaxResponseBytes: 10}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idem.Tx(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+		require.NoError(t, err)
+		_, err = w.Write([]byte("0123456789"))
+		require.NoError(t, err)
+		_, err = w.Write([]byte("!"))
+		assert.ErrorIs(t, err, idem.ErrResponseTooLarge)
+	}))
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusInternalServerError, r.status)
+	assert.NotContains(t, string(r.body), "0123456789")
+	assert.Equal(t, 0, f.ledgerRows())
+	assert.Equal(t, 0, f.keys())
+}
+
+func TestDatabaseUnreachableIs503AndHandlerNotRun(t *testing.T) {
+	t.Parallel()
+	db, err := sql.Open("pgx", "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+	require.NoError(t, err)
+	defer db.Close()
+	ran := false
+	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id")})
+	require.NoError(t, err)
+	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { ran = true }))
+	rec := httptest.NewRecorder()
+	req, _ := http.NewRequest(http.MethodPost, "/", strings.NewReader("{}"))
+	req.Header.Set("X-Event-Id", "evt_1")
+	h.ServeHTTP(rec, req)
+	assert.Equal(t, http.StatusServiceUnavailable, rec.Code)
+	assert.Equal(t, "1", rec.Header().Get("Retry-After"))
+	assert.False(t, ran)
+	assert.NotContains(t, rec.Body.String(), "127.0.0.1", "no internal error text")
+	assert.NotContains(t, rec.Body.String(), "dial")
+}
+
+func TestSerializationFailuresInTheClaimAreRetried(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		code     string
+		failures int
+		want     int
+		runs     int64
+	}{
+		{"two serialization failures, then success", "40001", 2, http.StatusCreated, 1},
+		{"a deadlock, then success", "40P01", 1, http.StatusCreated, 1},
+		{"serialization failures every time", "40001", 100, http.StatusConflict, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, idem.Options{}, nil)
+			// A trigger makes the real server fail the claim's INSERT with the
+			// SQLSTATE under test, the first N times.
+			_, err := f.db.Exec(fmt.Sprintf(`
+				CREATE SEQUENCE %[1]s_tries;
+				CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN
+					IF nextval('%[1]s_tries') <= %[2]d THEN
+						RAISE EXCEPTION 'injected' USING ERRCODE = '%[3]s';
+					END IF;
+					RETURN NEW;
+				END $$;
+				CREATE TRIGGER fail BEFORE INSERT ON %[1]s FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`,
+				f.table, tc.failures, tc.code))
+			require.NoError(t, err)
+			r := f.post("evt_1", "{}")
+			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
+			assert.Equal(t, tc.runs, f.runs.Load())
+			if tc.want == http.StatusConflict {
+				assert.NotEmpty(t, r.header.Get("Retry-After"))
+				assert.ErrorIs(t, f.observations()[0].Err, idem.ErrConflict)
+				assert.Equal(t, 0, f.keys())
+			}
+		})
+	}
+}
+
+func TestStoreAndCommitFailuresDropTheBufferedAnswer(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ name, ddl string }{
+		{"storing the response fails", `
+			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN RAISE EXCEPTION 'injected store failure'; END $$;
+			CREATE TRIGGER fail BEFORE UPDATE ON %[1]s FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`},
+		{"COMMIT fails", `
+			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN RAISE EXCEPTION 'injected commit failure'; END $$;
+			CREATE CONSTRAINT TRIGGER fail AFTER INSERT ON %[2]s DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, idem.Options{}, nil)
+			_, err := f.db.Exec(fmt.Sprintf(tc.ddl, f.table, f.ledger))
+			require.NoError(t, err)
+			r := f.post("evt_1", "{}")
+			assert.Equal(t, http.StatusServiceUnavailable, r.status)
+			assert.NotEmpty(t, r.header.Get("Retry-After"))
+			assert.NotContains(t, string(r.body), "ledger_id", "the buffered 2xx is dropped")
+			assert.NotContains(t, string(r.body), "injected", "no SQL error text")
+			assert.Equal(t, 0, f.ledgerRows())
+			assert.Equal(t, 0, f.keys())
+
+			_, err = f.db.Exec(fmt.Sprintf(`DROP FUNCTION %s_fail() CASCADE`, f.table))
+			require.NoError(t, err)
+			assert.Equal(t, http.StatusCreated, f.post("evt_1", "{}").status, "a redelivery runs again")
+			assert.Equal(t, 1, f.ledgerRows())
+			assert.Equal(t, int64(2), f.runs.Load())
+		})
+	}
+}
+
+func TestHandlerReadsTheWholeBody(t *testing.T) {
+	t.Parallel()
+	payload := bytes.Repeat([]byte("0123456789"), 5000)
+	var got []byte
+	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got, _ = io.ReadAll(r.Body)
+		assert.Equal(t, int64(len(payload)), r.ContentLength)
+	}))
+	assert.Equal(t, http.StatusOK, f.post("evt_1", string(payload)).status)
+	assert.Equal(t, payload, got)
+}
+
+func TestOuterHeadersSurviveAndSetCookieIsNeverReplayed(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Set-Cookie", "session=abc")
+		w.Header().Set("Location", "/orders/1")
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusAccepted)
+		_, _ = io.WriteString(w, "accepted")
+	}))
+	outer := f.srv.Config.Handler
+	f.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Request-Id", "req-1") // e.g. a request-id middleware
+		outer.ServeHTTP(w, r)
+	})
+	first := f.post("evt_1", "{}")
+	assert.Equal(t, "session=abc", first.header.Get("Set-Cookie"), "the original answer is the handler's own")
+	assert.Equal(t, "req-1", first.header.Get("X-Request-Id"))
+	dup := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusAccepted, dup.status)
+	assert.Equal(t, "accepted", string(dup.body))
+	assert.Empty(t, dup.header.Get("Set-Cookie"))
+	assert.Equal(t, "/orders/1", dup.header.Get("Location"))
+	assert.Equal(t, "text/plain; charset=utf-8", dup.header.Get("Content-Type"))
+	assert.Equal(t, "req-1", dup.header.Get("X-Request-Id"))
+}

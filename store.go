@@ -1,0 +1,264 @@
+package idem
+
+import (
+	"context"
+	"database/sql"
+	_ "embed" // schema.sql
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"text/template"
+	"time"
+)
+
+// DefaultTable is the table name used when Options.Table (or Migrate's
+// table argument) is empty.
+const DefaultTable = "webhook_idempotency"
+
+//go:embed schema.sql
+var schemaSQL string
+
+var schemaTmpl = template.Must(template.New("schema").Parse(schemaSQL))
+
+// table is a validated, quoted table name.
+type table struct {
+	name   string // as given, or DefaultTable
+	quoted string // "schema"."name" or "name"
+	index  string // the quoted name of the claimed_at index
+	schema string // the unquoted schema, "" when unqualified
+	rel    string // the unquoted table name without schema
+}
+
+// parseTable validates a table name: "name" or "schema.name". Each part is
+// used verbatim (case-sensitive) and quoted, so no name can inject SQL.
+func parseTable(name string) (table, error) {
+	if name == "" {
+		name = DefaultTable
+	}
+	parts := strings.Split(name, ".")
+	if len(parts) > 2 {
+		return table{}, fmt.Errorf("idem: table %q: at most one dot, between schema and table", name)
+	}
+	for _, p := range parts {
+		if p == "" || strings.IndexByte(p, 0) >= 0 || len(p) > 63 {
+			return table{}, fmt.Errorf("idem: table %q: each part must be 1 to 63 bytes without NUL", name)
+		}
+	}
+	t := table{name: name, rel: parts[len(parts)-1]}
+	idx := t.rel + "_claimed_idx"
+	if len(idx) > 63 {
+		idx = idx[:63]
+	}
+	if len(parts) == 2 {
+		t.schema = parts[0]
+		t.quoted = quoteIdent(parts[0]) + "." + quoteIdent(parts[1])
+	} else {
+		t.quoted = quoteIdent(parts[0])
+	}
+	t.index = quoteIdent(idx)
+	return t, nil
+}
+
+// quoteIdent quotes a PostgreSQL identifier: wrapped in double quotes, with
+// inner double quotes doubled.
+func quoteIdent(s string) string {
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
+}
+
+// Migrate creates the idempotency table and its index if they do not exist.
+// table "" means DefaultTable; "schema.name" places it in an existing schema.
+// It is safe to run twice, and from several processes at once: the DDL runs
+// in one transaction under a transaction-level advisory lock.
+func Migrate(ctx context.Context, db *sql.DB, table string) error {
+	t, err := parseTable(table)
+	if err != nil {
+		return err
+	}
+	var ddl strings.Builder
+	if err := schemaTmpl.Execute(&ddl, map[string]string{"Table": t.quoted, "ClaimedIndex": t.index}); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", lockID("idem-migrate", t.name, "")); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
+	}
+	for _, stmt := range splitStatements(ddl.String()) {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
+	}
+	return nil
+}
+
+// splitStatements splits the schema file on semicolons at line ends and
+// drops comment-only pieces. The schema has no semicolons inside literals.
+func splitStatements(s string) []string {
+	var out []string
+	for _, piece := range strings.SplitAfter(s, ";\n") {
+		var b strings.Builder
+		for _, line := range strings.Split(piece, "\n") {
+			if t := strings.TrimSpace(line); t != "" && !strings.HasPrefix(t, "--") {
+				b.WriteString(line)
+				b.WriteByte('\n')
+			}
+		}
+		if stmt := strings.TrimSpace(b.String()); stmt != "" {
+			out = append(out, strings.TrimSuffix(stmt, ";"))
+		}
+	}
+	return out
+}
+
+// lockID is the 64-bit advisory lock key of a claim: FNV-1a over the table
+// name, the source and the event id, separated by NUL (which none of them may
+// contain). Distinct keys can share a lock only by a 64-bit hash collision,
+// which at worst makes a delivery wait or answer 409 once.
+func lockID(tableName, source, eventID string) int64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	h := uint64(offset)
+	for _, s := range [...]string{tableName, source, eventID} {
+		for i := 0; i < len(s); i++ {
+			h ^= uint64(s[i])
+			h *= prime
+		}
+		h *= prime // the NUL separator
+	}
+	return int64(h)
+}
+
+// queries holds the SQL for one table, built once in New.
+type queries struct {
+	claim, lookup, wait, complete string
+}
+
+func newQueries(t table) queries {
+	q := t.quoted
+	return queries{
+		// The claim decides in one statement. The advisory lock is taken
+		// first, without waiting: a claim in flight holds it until its
+		// transaction ends, so a duplicate learns "in flight" at once instead
+		// of blocking on the uncommitted row. With the lock, the INSERT runs;
+		// ON CONFLICT decides (the primary key is the lock that counts). The
+		// LEFT JOIN returns a completed row that was committed before this
+		// statement's snapshot, so a plain redelivery is answered in the same
+		// round trip.
+		claim: `WITH l AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($4) AS got),
+ins AS (
+    INSERT INTO ` + q + ` (source, event_id, payload_digest)
+    SELECT $1, $2, $3 FROM l WHERE l.got
+    ON CONFLICT (source, event_id) DO NOTHING
+    RETURNING 1)
+SELECT (SELECT got FROM l), EXISTS (SELECT 1 FROM ins),
+       r.payload_digest, r.response_status, r.response_headers, r.response_body,
+       r.completed_at IS NOT NULL
+FROM (VALUES (1)) AS one
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+
+		// A new statement takes a new snapshot (at READ COMMITTED), so it
+		// sees a row that committed while the claim was running or waiting.
+		lookup: `SELECT true, false, payload_digest, response_status, response_headers, response_body,
+       completed_at IS NOT NULL
+FROM ` + q + ` WHERE source = $1 AND event_id = $2`,
+
+		// Wait for the claim in flight to end, at most lock_timeout: it is
+		// set for this transaction only, before the lock is requested.
+		wait: `WITH s AS MATERIALIZED (SELECT set_config('lock_timeout', $2, true))
+SELECT pg_advisory_xact_lock($1) FROM s`,
+
+		// completed_at IS NULL: a second completion changes nothing.
+		complete: `UPDATE ` + q + `
+SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
+WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`,
+	}
+}
+
+// claimRow is what the claim and lookup statements return.
+type claimRow struct {
+	gotLock   bool // the advisory lock was free (claim) / the row exists (lookup)
+	won       bool // this transaction inserted the key
+	visible   bool // a committed row was returned
+	completed bool
+	stored    stored
+}
+
+// stored is a completed answer: what the first delivery was told.
+type stored struct {
+	digest []byte
+	status int
+	header http.Header
+	body   []byte
+}
+
+func scanClaim(row *sql.Row) (claimRow, error) {
+	var (
+		c       claimRow
+		status  sql.NullInt32
+		headers []byte
+		done    sql.NullBool
+	)
+	err := row.Scan(&c.gotLock, &c.won, &c.stored.digest, &status, &headers, &c.stored.body, &done)
+	if err != nil {
+		return c, err
+	}
+	c.visible = c.stored.digest != nil
+	c.completed = done.Valid && done.Bool
+	if c.completed {
+		c.stored.status = int(status.Int32)
+		if len(headers) > 0 {
+			if err := json.Unmarshal(headers, &c.stored.header); err != nil {
+				return c, fmt.Errorf("idem: stored headers: %w", err)
+			}
+		}
+		if c.stored.body == nil {
+			c.stored.body = []byte{}
+		}
+	}
+	return c, nil
+}
+
+func (q *queries) doClaim(ctx context.Context, tx *sql.Tx, k Key, digest []byte, lock int64) (claimRow, error) {
+	return scanClaim(tx.QueryRowContext(ctx, q.claim, k.Source, k.EventID, digest, lock))
+}
+
+// doLookup reports a missing row as visible == false, not as an error.
+func (q *queries) doLookup(ctx context.Context, tx *sql.Tx, k Key) (claimRow, error) {
+	c, err := scanClaim(tx.QueryRowContext(ctx, q.lookup, k.Source, k.EventID))
+	if errors.Is(err, sql.ErrNoRows) {
+		return claimRow{}, nil
+	}
+	return c, err
+}
+
+func (q *queries) doWait(ctx context.Context, tx *sql.Tx, lock int64, wait time.Duration) error {
+	ms := wait.Milliseconds()
+	if ms < 1 {
+		ms = 1 // lock_timeout 0 would mean "wait forever"
+	}
+	_, err := tx.ExecContext(ctx, q.wait, lock, strconv.FormatInt(ms, 10)+"ms")
+	return err
+}
+
+func (q *queries) doComplete(ctx context.Context, tx *sql.Tx, k Key, status int, headers []byte, body []byte) error {
+	res, err := tx.ExecContext(ctx, q.complete, k.Source, k.EventID, status, string(headers), body)
+	if err != nil {
+		return err
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return err
+	}
+	if n != 1 {
+		return fmt.Errorf("idem: storing the response updated %d rows, want 1", n)
+	}
+	return nil
+}

@@ -1,0 +1,120 @@
+package idem
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"fmt"
+	"net/url"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"go.uber.org/goleak"
+)
+
+// The tests need PostgreSQL: they create one database of their own per test
+// binary (dropped at the end) and one table per test inside it, so parallel
+// tests and concurrent runs never see each other's keys. A test that needs
+// the database fails, never skips, when the server is not there.
+
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+var (
+	testDBOnce sync.Once
+	testDBURL  string
+	testDBName string
+	testDBErr  error
+	tableSeq   atomic.Int64
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if testDBName != "" {
+		if err := dropTestDatabase(); err != nil {
+			fmt.Fprintln(os.Stderr, "idem tests: drop test database:", err)
+		}
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "idem tests: leaked goroutines:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func adminURL() string {
+	if u := os.Getenv("DATABASE_URL"); u != "" {
+		return u
+	}
+	return defaultDatabaseURL
+}
+
+func createTestDatabase() (string, string, error) {
+	admin, err := sql.Open("pgx", adminURL())
+	if err != nil {
+		return "", "", err
+	}
+	defer admin.Close()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "idem_test_" + hex.EncodeToString(b[:])
+	if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+		return "", "", fmt.Errorf("cannot create a test database through DATABASE_URL=%s (is PostgreSQL running? see README): %w", adminURL(), err)
+	}
+	u, err := url.Parse(adminURL())
+	if err != nil {
+		return "", "", err
+	}
+	u.Path = "/" + name
+	return u.String(), name, nil
+}
+
+func dropTestDatabase() error {
+	admin, err := sql.Open("pgx", adminURL())
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	_, err = admin.Exec("DROP DATABASE IF EXISTS " + testDBName + " WITH (FORCE)")
+	return err
+}
+
+// testDatabaseURL returns the URL of this test binary's own database.
+func testDatabaseURL(t testing.TB) string {
+	t.Helper()
+	testDBOnce.Do(func() { testDBURL, testDBName, testDBErr = createTestDatabase() })
+	if testDBErr != nil {
+		t.Fatalf("PostgreSQL is required: %v", testDBErr)
+	}
+	return testDBURL
+}
+
+// openTestDB opens a pool on the test database, closed when t ends.
+func openTestDB(t testing.TB) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", testDatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(20)
+	t.Cleanup(func() { db.Close() })
+	if err := db.PingContext(context.Background()); err != nil {
+		t.Fatalf("PostgreSQL is required: %v", err)
+	}
+	return db
+}
+
+// newTestTable migrates a fresh idempotency table for one test.
+func newTestTable(t testing.TB, db *sql.DB) string {
+	t.Helper()
+	name := fmt.Sprintf("idem_%d", tableSeq.Add(1))
+	if err := Migrate(context.Background(), db, name); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
