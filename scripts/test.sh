@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command of the README: every module's tests, with the race
+# detector, against the PostgreSQL at DATABASE_URL (default: the local
+# server, postgres@127.0.0.1:5432, trust auth). Fails on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== root module: go test -race"
+go test -race -count=1 ./...
+
+if [ -f examples/go.mod ]; then
+  echo "== examples module: build and go test -race"
+  (cd examples && go build ./... && go test -race -count=1 ./...)
+fi
+
+if [ -f bench/go.mod ]; then
+  echo "== bench module: build, test, and a short load run"
+  (cd bench && go build ./... && go test -count=1 ./...)
+  [ -f scripts/bench-smoke.sh ] && bash scripts/bench-smoke.sh
+fi
+
+# Time-bounded fuzzing of every parser of untrusted input.
+[ -f scripts/fuzz.sh ] && bash scripts/fuzz.sh
+
+# The integration suite again, through PgBouncer in transaction mode.
+[ -f scripts/test-pgbouncer.sh ] && bash scripts/test-pgbouncer.sh
+
+echo "== all tests passed"
