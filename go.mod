@@ -3,6 +3,7 @@ module github.com/pgidem/idem
 go 1.25.0
 
 require (
+	github.com/DATA-DOG/go-sqlmock v1.5.2
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/stretchr/testify v1.12.1
 	go.uber.org/goleak v1.3.0
