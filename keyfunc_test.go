@@ -1,0 +1,122 @@
+package idem_test
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func request(body string, headers ...string) *http.Request {
+	r := httptest.NewRequest(http.MethodPost, "/", strings.NewReader(body))
+	for i := 0; i+1 < len(headers); i += 2 {
+		r.Header.Add(headers[i], headers[i+1])
+	}
+	return r
+}
+
+func TestKeyFuncs(t *testing.T) {
+	cases := []struct {
+		name    string
+		kf      idem.KeyFunc
+		body    string
+		headers []string
+		want    idem.Key
+		err     error
+	}{
+		{"Header reads the named header", idem.Header("acme", "x-event-id"), "", []string{"X-Event-Id", "e1"}, idem.Key{Source: "acme", EventID: "e1"}, nil},
+		{"Header without the header", idem.Header("acme", "X-Event-Id"), "", nil, idem.Key{}, idem.ErrNoKey},
+		{"Header sent twice", idem.Header("acme", "X-Event-Id"), "", []string{"X-Event-Id", "a", "X-Event-Id", "b"}, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField top level", idem.JSONField("acme", "id"), `{"id":"evt_1","type":"x"}`, nil, idem.Key{Source: "acme", EventID: "evt_1"}, nil},
+		{"JSONField nested", idem.JSONField("acme", "data.id"), `{"data":{"obj":[1,{"id":"no"}],"id":"evt_2"},"id":"top"}`, nil, idem.Key{Source: "acme", EventID: "evt_2"}, nil},
+		{"JSONField number keeps its text", idem.JSONField("acme", "event_id"), `{"event_id": 12345678901234567890}`, nil, idem.Key{Source: "acme", EventID: "12345678901234567890"}, nil},
+		{"JSONField unescapes strings", idem.JSONField("acme", "id"), `{"id":"a\u00e9\"b"}`, nil, idem.Key{Source: "acme", EventID: "aé\"b"}, nil},
+		{"JSONField missing", idem.JSONField("acme", "data.id"), `{"data":{"other":1}}`, nil, idem.Key{}, idem.ErrNoKey},
+		{"JSONField parent not an object", idem.JSONField("acme", "data.id"), `{"data":"x"}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField null", idem.JSONField("acme", "id"), `{"id":null}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField boolean", idem.JSONField("acme", "id"), `{"id":true}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField duplicate parent", idem.JSONField("acme", "data.id"), `{"data":{"id":"a"},"data":{"id":"b"}}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField trailing garbage", idem.JSONField("acme", "id"), `{"id":"a"} x`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField invalid UTF-8 anywhere", idem.JSONField("acme", "id"), "{\"id\":\"a\",\"n\":\"\xc3\"}", nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe", idem.Stripe(), `{"id":"evt_1NG8Du2eZvKYlo2C","object":"event"}`, nil, idem.Key{Source: "stripe", EventID: "evt_1NG8Du2eZvKYlo2C"}, nil},
+		{"GitHub scoped by hook", idem.GitHub(), "", []string{"X-GitHub-Delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958", "X-GitHub-Hook-ID", "292430182"}, idem.Key{Source: "github:292430182", EventID: "72d3162e-cc78-11e3-81ab-4c9367dc0958"}, nil},
+		{"GitHub without hook id", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1"}, idem.Key{Source: "github", EventID: "d1"}, nil},
+		{"GitHub without delivery", idem.GitHub(), "", nil, idem.Key{}, idem.ErrNoKey},
+		{"Shopify", idem.Shopify(), "", []string{"X-Shopify-Event-Id", "98880550-7158-44d4-b7cd-2c97c8a091b5"}, idem.Key{Source: "shopify", EventID: "98880550-7158-44d4-b7cd-2c97c8a091b5"}, nil},
+		{"Standard Webhooks", idem.StandardWebhooks("resend"), "", []string{"webhook-id", "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, idem.Key{Source: "resend", EventID: "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, nil},
+		{"Svix", idem.StandardWebhooks("clerk"), "", []string{"svix-id", "msg_p5jXN8AQM9LWM0D4loKWxJek"}, idem.Key{Source: "clerk", EventID: "msg_p5jXN8AQM9LWM0D4loKWxJek"}, nil},
+		{"Standard Webhooks without id", idem.StandardWebhooks("resend"), "", nil, idem.Key{}, idem.ErrNoKey},
+		{"Idempotency-Key quoted", idem.IdempotencyKey("api"), "", []string{"Idempotency-Key", `"8e03978e-40d5-43e8-bc93-6894a57f9324"`}, idem.Key{Source: "api", EventID: "8e03978e-40d5-43e8-bc93-6894a57f9324"}, nil},
+		{"Idempotency-Key bare", idem.IdempotencyKey("api"), "", []string{"Idempotency-Key", "8e03978e-40d5"}, idem.Key{Source: "api", EventID: "8e03978e-40d5"}, nil},
+		{"Idempotency-Key missing", idem.IdempotencyKey("api"), "", nil, idem.Key{}, idem.ErrNoKey},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := c.kf(request(c.body, c.headers...), []byte(c.body))
+			if c.err != nil {
+				assert.ErrorIs(t, err, c.err)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, c.want, got)
+		})
+	}
+}
+
+func TestParseIdempotencyKey(t *testing.T) {
+	good := map[string]string{
+		`"abc"`:              "abc",
+		`"a\"b\\c"`:          `a"b\c`,
+		`"with space"`:       "with space",
+		`"k";exp=1`:          "k",
+		` "padded" `:         "padded",
+		`bare-token_1.2:3/4`: "bare-token_1.2:3/4",
+		`""`:                 "",
+	}
+	for in, want := range good {
+		got, err := idem.ParseIdempotencyKey(in)
+		if assert.NoError(t, err, in) {
+			assert.Equal(t, want, got, in)
+		}
+	}
+	for _, in := range []string{`"open`, `"bad\n"`, `"x" y`, `"\x"`, `a b`, `a,b`, `a;b`, `a"b`, "\"\x01\"", "caf\xc3\xa9", ``} {
+		_, err := idem.ParseIdempotencyKey(in)
+		assert.Error(t, err, in)
+	}
+}
+
+func TestKeyFuncConstructorsRejectProgrammingErrors(t *testing.T) {
+	assert.Panics(t, func() { idem.JSONField("acme", "") })
+	assert.Panics(t, func() { idem.JSONField("acme", "data..id") })
+	assert.Panics(t, func() { idem.Header("", "X-Id") })
+	assert.Panics(t, func() { idem.Header("acme", "") })
+	assert.Panics(t, func() { idem.IdempotencyKey("bad\x00source") })
+}
+
+func TestNewValidatesOptions(t *testing.T) {
+	db := idem.OpenTestDB(t)
+	kf := idem.Header("acme", "X-Id")
+	for name, opts := range map[string]idem.Options{
+		"no KeyFunc":             {},
+		"three-part table":       {KeyFunc: kf, Table: "a.b.c"},
+		"empty table part":       {KeyFunc: kf, Table: "a."},
+		"negative body limit":    {KeyFunc: kf, MaxBodyBytes: -1},
+		"negative response cap":  {KeyFunc: kf, MaxResponseBytes: -1},
+		"negative timeout":       {KeyFunc: kf, HandlerTimeout: -1},
+		"negative retry-after":   {KeyFunc: kf, RetryAfter: -1},
+		"Set-Cookie replayed":    {KeyFunc: kf, ReplayHeaders: []string{"set-cookie"}},
+		"Authorization replayed": {KeyFunc: kf, ReplayHeaders: []string{"Authorization"}},
+		"empty method":           {KeyFunc: kf, Methods: []string{""}},
+	} {
+		_, err := idem.New(db, opts)
+		assert.Error(t, err, name)
+	}
+	_, err := idem.New(nil, idem.Options{KeyFunc: kf})
+	assert.Error(t, err)
+	_, err = idem.New(db, idem.Options{KeyFunc: kf, Table: `odd"schema.tbl`})
+	assert.NoError(t, err, "any name is quoted, not refused")
+}
