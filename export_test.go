@@ -7,3 +7,6 @@ var (
 	TestDatabaseURL = testDatabaseURL
 	LockID          = lockID
 )
+
+// ExampleDB gives Example functions a database and a migrated table.
+var ExampleDB = exampleDB

@@ -118,3 +118,22 @@ func newTestTable(t testing.TB, db *sql.DB) string {
 	}
 	return name
 }
+
+// exampleDB opens the test database for Example functions, which have no
+// testing.T, and migrates a fresh table for the example; it panics when
+// PostgreSQL is missing, failing the example.
+func exampleDB() (*sql.DB, string) {
+	testDBOnce.Do(func() { testDBURL, testDBName, testDBErr = createTestDatabase() })
+	if testDBErr != nil {
+		panic("PostgreSQL is required: " + testDBErr.Error())
+	}
+	db, err := sql.Open("pgx", testDBURL)
+	if err != nil {
+		panic(err)
+	}
+	name := fmt.Sprintf("example_%d", tableSeq.Add(1))
+	if err := Migrate(context.Background(), db, name); err != nil {
+		panic(err)
+	}
+	return db, name
+}

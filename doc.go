@@ -1,0 +1,40 @@
+// Package idem makes webhook and API handlers run exactly once on
+// PostgreSQL: providers deliver at least once, often concurrently, and idem
+// turns that into one side effect per event and the same answer for every
+// redelivery.
+//
+//	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe()}) // db: *sql.DB on pgx
+//	r.Use(mw.Handler)                                            // chi, gorilla/mux; or mw.Handler(h)
+//	tx, _ := idem.Tx(r.Context())                                // in the handler: write through tx
+//
+// For each request with a covered method (POST, PUT, PATCH, DELETE by
+// default) the middleware reads the body (bounded by Options.MaxBodyBytes),
+// extracts a Key with the KeyFunc, begins a transaction and claims the key
+// with a single INSERT ... ON CONFLICT DO NOTHING: the primary key
+// (source, event_id) is the lock. The handler runs with the transaction in
+// its context (Tx), so its business writes commit or roll back together with
+// the claim. Its answer is buffered; a final answer (2xx by default) is
+// stored on the claimed row and committed, and only then sent. Anything else
+// (another status, a panic, a timeout, a database error) rolls everything
+// back, so the sender's retry runs the handler again: failures are never
+// cached.
+//
+// A duplicate of a completed key gets the stored status, allow-listed
+// headers and exact body bytes, with Idempotent-Replayed: true, without
+// running the handler. A duplicate of a key still in flight waits at most
+// Options.LockWait for the original, then replays its answer or gets 409
+// with Retry-After. A key reused with a different body gets 422. Bad input
+// gets 400 or 413 and leaves nothing behind; a database that fails gets 503
+// with Retry-After. The middleware never answers 410, which Standard
+// Webhooks senders take as "disable this endpoint". Its own error answers
+// are small application/problem+json documents (see WriteProblem and
+// Options.ErrorHandler).
+//
+// The table is created by Migrate; see README.md for the schema, the
+// behaviour table, retention and operations.
+//
+// Effects the database cannot roll back (an email, a call to another API)
+// do not belong inside the handler's transaction: write an outbox row (or
+// enqueue a job with a transactional queue such as River) through Tx, and
+// perform it after commit.
+package idem
