@@ -1,0 +1,70 @@
+// Package webhooktest sends deliveries to an example's server and checks
+// what the examples' tests all check: a duplicate is answered with the
+// original's bytes, marked as a replay.
+package webhooktest
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"io"
+	"net/http"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Reply is one answer, read in full.
+type Reply struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// Replayed reports whether the answer came from the idempotency store.
+func (r Reply) Replayed() bool { return r.Header.Get("Idempotent-Replayed") == "true" }
+
+// Post sends body to url with the given header name/value pairs and returns
+// the answer.
+func Post(t testing.TB, url, body string, header ...string) Reply {
+	t.Helper()
+	return Do(t, http.MethodPost, url, body, header...)
+}
+
+// Do sends one request and returns the answer.
+func Do(t testing.TB, method, url, body string, header ...string) Reply {
+	t.Helper()
+	require.Zero(t, len(header)%2, "header names and values come in pairs")
+	req, err := http.NewRequestWithContext(context.Background(), method, url, bytes.NewBufferString(body))
+	require.NoError(t, err)
+	for i := 0; i < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(t, err)
+	return Reply{Status: res.StatusCode, Header: res.Header, Body: b}
+}
+
+// AssertReplay checks that dup is the replay of original: same status, same
+// Content-Type, the same body byte for byte, and marked
+// Idempotent-Replayed while the original is not.
+func AssertReplay(t testing.TB, original, dup Reply) {
+	t.Helper()
+	assert.False(t, original.Replayed(), "the original is not a replay")
+	assert.True(t, dup.Replayed(), "the duplicate carries Idempotent-Replayed: true")
+	assert.Equal(t, original.Status, dup.Status)
+	assert.Equal(t, original.Header.Get("Content-Type"), dup.Header.Get("Content-Type"))
+	assert.Equal(t, string(original.Body), string(dup.Body), "the replay has the original's bytes")
+}
+
+// Count runs a query that returns one integer, such as SELECT count(*).
+func Count(t testing.TB, db *sql.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.QueryRowContext(context.Background(), query, args...).Scan(&n), query)
+	return n
+}
