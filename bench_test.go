@@ -1,0 +1,709 @@
+package idem_test
+
+// Benchmarks of the middleware beside the same work written by hand.
+//
+// Against real PostgreSQL (the test binary's own database, see
+// testdb_test.go), with 16 concurrent senders and a pool of 8 connections:
+//
+//	BenchmarkNewEvent/impl={idem,inline,bare}
+//	BenchmarkCompletedDuplicate/impl={idem,inline}
+//	BenchmarkInFlightDuplicate/impl={idem,inline}
+//
+// "inline" is the seed's handler written by hand with no middleware: BEGIN;
+// INSERT ... ON CONFLICT DO NOTHING RETURNING; the ledger write; the UPDATE
+// that stores the answer; COMMIT (a duplicate: BEGIN; the INSERT; SELECT the
+// stored answer; ROLLBACK). "bare" is the ledger write in a plain
+// transaction, with no idempotency at all. Every impl runs the same ledger
+// handler work: append a row, answer its id as JSON. Each benchmark reports
+// stmts/op, the statements (round trips) sent per request, counted by a
+// database/sql driver wrapper around pgx.
+//
+// Against a no-op driver that answers every statement at once, the
+// middleware's own CPU and allocations, beside the same calls made inline:
+//
+//	BenchmarkNoopDriver/path={new,dup}/impl={idem,inline,bare}
+//
+// scripts/bench.sh runs them with -count and compares impls with benchstat.
+// The requests are served by calling ServeHTTP directly: no HTTP stack.
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pgidem/idem"
+)
+
+const (
+	benchSenders  = 16   // concurrent requests, as in the issue's targets
+	benchPool     = 8    // pooled connections: pgbench's 8 clients saturate 2 cores
+	benchBodySize = 1024 // bytes of JSON per request: a typical webhook
+	benchDupKeys  = 1000 // completed keys the duplicate benchmarks cycle over
+	benchSource   = "bench"
+	benchHeader   = "X-Event-Id"
+)
+
+// ---- the handler work, shared by every impl --------------------------------
+
+// ledgerInsert appends one row to the ledger and returns its id.
+func ledgerInsert(ctx context.Context, tx *sql.Tx, ledger, eventID string, body []byte) (int64, error) {
+	var id int64
+	err := tx.QueryRowContext(ctx, `INSERT INTO `+ledger+` (event_id, body) VALUES ($1, $2) RETURNING id`,
+		eventID, body).Scan(&id)
+	return id, err
+}
+
+// ledgerAnswer is the handler's JSON answer.
+func ledgerAnswer(id int64, eventID string) []byte {
+	b := make([]byte, 0, 48+len(eventID))
+	b = append(b, `{"ledger_id":`...)
+	b = strconv.AppendInt(b, id, 10)
+	b = append(b, `,"event":`...)
+	b = strconv.AppendQuote(b, eventID)
+	return append(b, "}\n"...)
+}
+
+func writeJSON(w http.ResponseWriter, status int, body []byte) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// idemLedger is the handler behind the middleware: the ledger write in the
+// middleware's transaction.
+func idemLedger(ledger string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, ok := idem.Tx(r.Context())
+		if !ok {
+			http.Error(w, "no transaction", http.StatusInternalServerError)
+			return
+		}
+		key, _ := idem.KeyFromContext(r.Context())
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "read body", http.StatusBadRequest)
+			return
+		}
+		id, err := ledgerInsert(r.Context(), tx, ledger, key.EventID, body)
+		if err != nil {
+			http.Error(w, "ledger write failed", http.StatusInternalServerError)
+			return
+		}
+		writeJSON(w, http.StatusCreated, ledgerAnswer(id, key.EventID))
+	})
+}
+
+// bareLedger is the ledger write in a plain transaction: no idempotency.
+func bareLedger(db *sql.DB, ledger string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		eventID := r.Header.Get(benchHeader)
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "read body", http.StatusBadRequest)
+			return
+		}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			http.Error(w, "begin", http.StatusServiceUnavailable)
+			return
+		}
+		defer func() { _ = tx.Rollback() }()
+		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
+		if err != nil {
+			http.Error(w, "ledger write failed", http.StatusInternalServerError)
+			return
+		}
+		if err := tx.Commit(); err != nil {
+			http.Error(w, "commit", http.StatusServiceUnavailable)
+			return
+		}
+		writeJSON(w, http.StatusCreated, ledgerAnswer(id, eventID))
+	})
+}
+
+// inlineLedger is the seed's handler written by hand: the best a user would
+// write without a middleware, on the same table as the middleware's.
+func inlineLedger(db *sql.DB, table, ledger string) http.Handler {
+	q := `"` + table + `"`
+	claim := `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
+ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
+	lookup := `SELECT payload_digest, response_status, response_body FROM ` + q + `
+WHERE source = $1 AND event_id = $2`
+	complete := `UPDATE ` + q + `
+SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
+WHERE source = $1 AND event_id = $2`
+	const headers = `{"Content-Type": ["application/json"]}`
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		eventID := r.Header.Get(benchHeader)
+		body, err := io.ReadAll(io.LimitReader(r.Body, idem.DefaultMaxBodyBytes))
+		if err != nil || eventID == "" {
+			http.Error(w, "bad request", http.StatusBadRequest)
+			return
+		}
+		digest := sha256.Sum256(body)
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			http.Error(w, "begin", http.StatusServiceUnavailable)
+			return
+		}
+		defer func() { _ = tx.Rollback() }()
+		var one int
+		err = tx.QueryRowContext(ctx, claim, benchSource, eventID, digest[:]).Scan(&one)
+		switch {
+		case errors.Is(err, sql.ErrNoRows): // a duplicate: answer what is stored
+			var (
+				stored []byte
+				status sql.NullInt32
+				answer []byte
+			)
+			if err := tx.QueryRowContext(ctx, lookup, benchSource, eventID).Scan(&stored, &status, &answer); err != nil {
+				http.Error(w, "lookup", http.StatusServiceUnavailable)
+				return
+			}
+			_ = tx.Rollback()
+			switch {
+			case !status.Valid:
+				http.Error(w, "in flight", http.StatusConflict)
+			case subtle.ConstantTimeCompare(stored, digest[:]) != 1:
+				http.Error(w, "payload mismatch", http.StatusUnprocessableEntity)
+			default:
+				w.Header().Set("Idempotent-Replayed", "true")
+				writeJSON(w, int(status.Int32), answer)
+			}
+			return
+		case pgState(err) == "55P03":
+			http.Error(w, "in flight", http.StatusConflict)
+			return
+		case err != nil:
+			http.Error(w, "claim", http.StatusServiceUnavailable)
+			return
+		}
+		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
+		if err != nil {
+			http.Error(w, "ledger write failed", http.StatusInternalServerError)
+			return
+		}
+		answer := ledgerAnswer(id, eventID)
+		if _, err := tx.ExecContext(ctx, complete, benchSource, eventID, http.StatusCreated, headers, answer); err != nil {
+			http.Error(w, "store", http.StatusServiceUnavailable)
+			return
+		}
+		if err := tx.Commit(); err != nil {
+			http.Error(w, "commit", http.StatusServiceUnavailable)
+			return
+		}
+		writeJSON(w, http.StatusCreated, answer)
+	})
+}
+
+func pgState(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
+}
+
+// ---- requests without an HTTP stack ----------------------------------------
+
+// benchBody is a JSON body of about benchBodySize bytes for one event.
+func benchBody(eventID string) []byte {
+	head := `{"id":` + strconv.Quote(eventID) + `,"type":"payment.succeeded","pad":"`
+	pad := benchBodySize - len(head) - 2
+	if pad < 0 {
+		pad = 0
+	}
+	return []byte(head + strings.Repeat("x", pad) + `"}`)
+}
+
+// discardWriter is a ResponseWriter that keeps the status and the body
+// length, reusable across requests.
+type discardWriter struct {
+	h      http.Header
+	status int
+	n      int
+}
+
+func (d *discardWriter) Header() http.Header { return d.h }
+func (d *discardWriter) WriteHeader(s int) {
+	if d.status == 0 {
+		d.status = s
+	}
+}
+func (d *discardWriter) Write(p []byte) (int, error) {
+	if d.status == 0 {
+		d.status = http.StatusOK
+	}
+	d.n += len(p)
+	return len(p), nil
+}
+func (d *discardWriter) reset() {
+	clear(d.h)
+	d.status, d.n = 0, 0
+}
+
+// sender sends requests to a handler, reusing its request, body reader and
+// writer so that its own allocations stay out of the numbers.
+type sender struct {
+	h   http.Handler
+	r   *http.Request
+	br  *bytes.Reader
+	w   discardWriter
+	ids []string // X-Event-Id value slot
+}
+
+func newSender(h http.Handler) *sender {
+	s := &sender{h: h, br: bytes.NewReader(nil), w: discardWriter{h: http.Header{}}}
+	s.r, _ = http.NewRequestWithContext(context.Background(), http.MethodPost, "http://bench/hook", nil)
+	s.ids = []string{""}
+	s.r.Header[benchHeader] = s.ids
+	return s
+}
+
+// send posts body with the event id and returns the status.
+func (s *sender) send(eventID string, body []byte) int {
+	s.ids[0] = eventID
+	s.br.Reset(body)
+	s.r.Body = io.NopCloser(s.br)
+	s.r.ContentLength = int64(len(body))
+	s.w.reset()
+	s.h.ServeHTTP(&s.w, s.r)
+	return s.w.status
+}
+
+// ---- statement counting ----------------------------------------------------
+
+// stmtCounter counts what a pool sends: each is one round trip.
+type stmtCounter struct{ n atomic.Int64 }
+
+// countingConnector wraps a driver.Connector (pgx's) and counts BEGIN,
+// Exec, Query, COMMIT and ROLLBACK on every connection it makes.
+type countingConnector struct {
+	inner driver.Connector
+	c     *stmtCounter
+}
+
+func (cc *countingConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	conn, err := cc.inner.Connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	full, ok := conn.(fullConn)
+	if !ok {
+		_ = conn.Close()
+		return nil, fmt.Errorf("countingConnector: %T lacks a driver interface", conn)
+	}
+	return &countingConn{fullConn: full, c: cc.c}, nil
+}
+
+func (cc *countingConnector) Driver() driver.Driver { return cc.inner.Driver() }
+
+// fullConn is what pgx's stdlib connection implements.
+type fullConn interface {
+	driver.Conn
+	driver.ConnBeginTx
+	driver.ExecerContext
+	driver.QueryerContext
+	driver.ConnPrepareContext
+	driver.Pinger
+	driver.SessionResetter
+	driver.NamedValueChecker
+}
+
+type countingConn struct {
+	fullConn
+	c *stmtCounter
+}
+
+func (cc *countingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	cc.c.n.Add(1)
+	tx, err := cc.fullConn.BeginTx(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &countingTx{Tx: tx, c: cc.c}, nil
+}
+
+func (cc *countingConn) ExecContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Result, error) {
+	cc.c.n.Add(1)
+	return cc.fullConn.ExecContext(ctx, q, args)
+}
+
+func (cc *countingConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
+	cc.c.n.Add(1)
+	return cc.fullConn.QueryContext(ctx, q, args)
+}
+
+type countingTx struct {
+	driver.Tx
+	c *stmtCounter
+}
+
+func (t *countingTx) Commit() error   { t.c.n.Add(1); return t.Tx.Commit() }
+func (t *countingTx) Rollback() error { t.c.n.Add(1); return t.Tx.Rollback() }
+
+// ---- the PostgreSQL world ----------------------------------------------------
+
+// pgWorld is one benchmark's tables and pools in the test database.
+type pgWorld struct {
+	db     *sql.DB
+	count  *stmtCounter
+	table  string // idempotency table (the middleware's or the inline one's)
+	ledger string
+}
+
+// openBenchPool opens a counted pool of benchPool connections on the test
+// database; params are extra run-time parameters (e.g. lock_timeout).
+func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *stmtCounter) {
+	b.Helper()
+	cfg, err := pgx.ParseConfig(idem.TestDatabaseURL(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for k, v := range params {
+		cfg.RuntimeParams[k] = v
+	}
+	c := &stmtCounter{}
+	db := sql.OpenDB(&countingConnector{inner: stdlib.GetConnector(*cfg), c: c})
+	db.SetMaxOpenConns(benchPool)
+	db.SetMaxIdleConns(benchPool) // the default of 2 would reconnect under load
+	b.Cleanup(func() { db.Close() })
+	if err := db.PingContext(context.Background()); err != nil {
+		b.Fatalf("PostgreSQL is required: %v", err)
+	}
+	return db, c
+}
+
+func newPGWorld(b *testing.B) *pgWorld {
+	b.Helper()
+	db, c := openBenchPool(b, nil)
+	w := &pgWorld{db: db, count: c, table: idem.NewTestTable(b, db)}
+	w.ledger = "ledger_" + w.table
+	if _, err := db.Exec(`CREATE TABLE ` + w.ledger + ` (
+		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	return w
+}
+
+func (w *pgWorld) middleware(b *testing.B, opts idem.Options) *idem.Middleware {
+	b.Helper()
+	opts.KeyFunc = idem.Header(benchSource, benchHeader)
+	opts.Table = w.table
+	m, err := idem.New(w.db, opts)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return m
+}
+
+// handler returns the impl's handler on this world.
+func (w *pgWorld) handler(b *testing.B, impl string) http.Handler {
+	switch impl {
+	case "idem":
+		return w.middleware(b, idem.Options{}).Handler(idemLedger(w.ledger))
+	case "inline":
+		return inlineLedger(w.db, w.table, w.ledger)
+	case "bare":
+		return bareLedger(w.db, w.ledger)
+	}
+	b.Fatalf("unknown impl %q", impl)
+	return nil
+}
+
+var benchRun atomic.Int64 // makes every benchmark run's keys unique
+
+// runParallel runs benchSenders goroutines, each calling do with its own
+// sender until b.N requests have been sent, and reports stmts/op and req/s.
+func runParallel(b *testing.B, h http.Handler, count *stmtCounter, do func(s *sender, i int64) int, want int) {
+	b.Helper()
+	b.ReportAllocs()
+	// RunParallel starts parallelism x GOMAXPROCS goroutines.
+	b.SetParallelism(max(1, benchSenders/runtime.GOMAXPROCS(0)))
+	var (
+		seq  atomic.Int64
+		bad  atomic.Int64
+		last atomic.Int64
+	)
+	before := count.n.Load()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		s := newSender(h)
+		for pb.Next() {
+			if st := do(s, seq.Add(1)); st != want {
+				bad.Add(1)
+				last.Store(int64(st))
+			}
+		}
+	})
+	b.StopTimer()
+	if n := bad.Load(); n > 0 {
+		b.Fatalf("%d of %d requests answered %d, want %d", n, b.N, last.Load(), want)
+	}
+	b.ReportMetric(float64(count.n.Load()-before)/float64(b.N), "stmts/op")
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
+}
+
+// BenchmarkNewEvent: every request carries a key never seen before.
+func BenchmarkNewEvent(b *testing.B) {
+	for _, impl := range []string{"idem", "inline", "bare"} {
+		b.Run("impl="+impl, func(b *testing.B) {
+			w := newPGWorld(b)
+			h := w.handler(b, impl)
+			prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
+			runParallel(b, h, w.count, func(s *sender, i int64) int {
+				id := prefix + strconv.FormatInt(i, 10)
+				return s.send(id, benchBody(id))
+			}, http.StatusCreated)
+		})
+	}
+}
+
+// BenchmarkCompletedDuplicate: every request is a redelivery of one of
+// benchDupKeys completed keys, with the same body.
+func BenchmarkCompletedDuplicate(b *testing.B) {
+	for _, impl := range []string{"idem", "inline"} {
+		b.Run("impl="+impl, func(b *testing.B) {
+			w := newPGWorld(b)
+			h := w.handler(b, impl)
+			ids, bodies := seed(b, h, fmt.Sprintf("dup-%d-", benchRun.Add(1)), benchDupKeys)
+			runParallel(b, h, w.count, func(s *sender, i int64) int {
+				k := i % int64(len(ids))
+				return s.send(ids[k], bodies[k])
+			}, http.StatusCreated)
+		})
+	}
+}
+
+// seed completes n keys through h.
+func seed(b *testing.B, h http.Handler, prefix string, n int) ([]string, [][]byte) {
+	b.Helper()
+	ids := make([]string, n)
+	bodies := make([][]byte, n)
+	s := newSender(h)
+	for i := range ids {
+		ids[i] = prefix + strconv.Itoa(i)
+		bodies[i] = benchBody(ids[i])
+		if st := s.send(ids[i], bodies[i]); st != http.StatusCreated {
+			b.Fatalf("seeding %s: status %d", ids[i], st)
+		}
+	}
+	return ids, bodies
+}
+
+// BenchmarkInFlightDuplicate: every request is a duplicate of a key whose
+// first delivery is still running (its transaction open), answered 409
+// without waiting. The middleware learns "in flight" from the advisory lock
+// at once (LockWait < 0); the inline handler's INSERT waits for the row lock
+// for lock_timeout = 1ms, the least PostgreSQL allows, set once per
+// connection so that it costs no round trip.
+func BenchmarkInFlightDuplicate(b *testing.B) {
+	for _, impl := range []string{"idem", "inline"} {
+		b.Run("impl="+impl, func(b *testing.B) {
+			w := newPGWorld(b)
+			eventID := fmt.Sprintf("inflight-%d", benchRun.Add(1))
+			body := benchBody(eventID)
+			release := make(chan struct{})
+			held := make(chan struct{})
+			done := make(chan struct{})
+			var h http.Handler
+			switch impl {
+			case "idem":
+				m := w.middleware(b, idem.Options{LockWait: -1})
+				blocking := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+					close(held)
+					<-release
+					rw.WriteHeader(http.StatusServiceUnavailable) // not cached: rolled back
+				})
+				go func() {
+					defer close(done)
+					newSender(m.Handler(blocking)).send(eventID, body)
+				}()
+				h = m.Handler(idemLedger(w.ledger))
+			case "inline":
+				digest := sha256.Sum256(body)
+				tx, err := w.db.Begin()
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := tx.Exec(`INSERT INTO "`+w.table+`" (source, event_id, payload_digest) VALUES ($1, $2, $3)`,
+					benchSource, eventID, digest[:]); err != nil {
+					b.Fatal(err)
+				}
+				close(held)
+				go func() {
+					defer close(done)
+					<-release
+					_ = tx.Rollback()
+				}()
+				db, c := openBenchPool(b, map[string]string{"lock_timeout": "1ms"})
+				w.count = c
+				h = inlineLedger(db, w.table, w.ledger)
+			}
+			<-held
+			defer func() { close(release); <-done }()
+			runParallel(b, h, w.count, func(s *sender, _ int64) int {
+				return s.send(eventID, body)
+			}, http.StatusConflict)
+		})
+	}
+}
+
+// ---- the no-op driver --------------------------------------------------------
+
+// noopConnector is a database/sql driver that answers every statement at
+// once, as PostgreSQL would for the path it is set to: the claim is won
+// (path new) or finds a completed row (path dup). It lets the benchmark
+// see the middleware's own CPU and allocations, without a server.
+type noopConnector struct {
+	dup    bool
+	digest []byte // of the body the completed row was claimed with
+	answer []byte
+	count  stmtCounter
+}
+
+func (c *noopConnector) Connect(context.Context) (driver.Conn, error) { return &noopConn{c: c}, nil }
+func (c *noopConnector) Driver() driver.Driver                        { return noopDriver{} }
+
+type noopDriver struct{}
+
+func (noopDriver) Open(string) (driver.Conn, error) {
+	return nil, errors.New("noop: use the connector")
+}
+
+type noopConn struct{ c *noopConnector }
+
+func (*noopConn) Prepare(string) (driver.Stmt, error) { return nil, errors.New("noop: no prepare") }
+func (*noopConn) Close() error                        { return nil }
+func (c *noopConn) Begin() (driver.Tx, error) {
+	return c.BeginTx(context.Background(), driver.TxOptions{})
+}
+func (c *noopConn) BeginTx(context.Context, driver.TxOptions) (driver.Tx, error) {
+	c.c.count.n.Add(1)
+	return noopTx{c.c}, nil
+}
+
+func (c *noopConn) ExecContext(context.Context, string, []driver.NamedValue) (driver.Result, error) {
+	c.c.count.n.Add(1)
+	return driver.RowsAffected(1), nil
+}
+
+var (
+	claimCols  = []string{"got", "won", "payload_digest", "response_status", "response_headers", "response_body", "completed"}
+	oneCol     = []string{"?column?"}
+	idCol      = []string{"id"}
+	lookupCols = []string{"payload_digest", "response_status", "response_body"}
+	headersRaw = []byte(`{"Content-Type": ["application/json"]}`)
+)
+
+func (c *noopConn) QueryContext(_ context.Context, q string, _ []driver.NamedValue) (driver.Rows, error) {
+	c.c.count.n.Add(1)
+	cc := c.c
+	switch {
+	case strings.HasPrefix(q, "WITH l AS"): // the middleware's claim
+		if cc.dup {
+			return &noopRows{cols: claimCols, row: []driver.Value{true, false, cc.digest, int64(201), headersRaw, cc.answer, true}}, nil
+		}
+		return &noopRows{cols: claimCols, row: []driver.Value{true, true, nil, nil, nil, nil, false}}, nil
+	case strings.HasPrefix(q, "INSERT INTO ledger"):
+		return &noopRows{cols: idCol, row: []driver.Value{int64(42)}}, nil
+	case strings.HasPrefix(q, "INSERT INTO"): // the inline claim
+		if cc.dup {
+			return &noopRows{cols: oneCol}, nil
+		}
+		return &noopRows{cols: oneCol, row: []driver.Value{int64(1)}}, nil
+	case strings.HasPrefix(q, "SELECT payload_digest"): // the inline lookup
+		return &noopRows{cols: lookupCols, row: []driver.Value{cc.digest, int64(201), cc.answer}}, nil
+	}
+	return nil, fmt.Errorf("noop: unexpected query %.40q", q)
+}
+
+type noopTx struct{ c *noopConnector }
+
+func (t noopTx) Commit() error   { t.c.count.n.Add(1); return nil }
+func (t noopTx) Rollback() error { t.c.count.n.Add(1); return nil }
+
+type noopRows struct {
+	cols []string
+	row  []driver.Value // nil: no rows
+	done bool
+}
+
+func (r *noopRows) Columns() []string { return r.cols }
+func (r *noopRows) Close() error      { return nil }
+func (r *noopRows) Next(dest []driver.Value) error {
+	if r.done || r.row == nil {
+		return io.EOF
+	}
+	r.done = true
+	copy(dest, r.row)
+	return nil
+}
+
+// BenchmarkNoopDriver: one request at a time through each impl over the
+// no-op driver. ns/op and allocs/op are the Go side of a request: the
+// middleware (or the inline code), database/sql, and the ledger handler;
+// idem minus inline is what the middleware adds over the same calls by hand.
+func BenchmarkNoopDriver(b *testing.B) {
+	const eventID = "evt_noop_0001"
+	body := benchBody(eventID)
+	digest := sha256.Sum256(body)
+	for _, path := range []string{"new", "dup"} {
+		for _, impl := range []string{"idem", "inline", "bare"} {
+			if path == "dup" && impl == "bare" {
+				continue // bare has no duplicate path
+			}
+			b.Run("path="+path+"/impl="+impl, func(b *testing.B) {
+				c := &noopConnector{dup: path == "dup", digest: digest[:], answer: ledgerAnswer(42, eventID)}
+				db := sql.OpenDB(c)
+				db.SetMaxIdleConns(4)
+				b.Cleanup(func() { db.Close() })
+				var h http.Handler
+				switch impl {
+				case "idem":
+					m, err := idem.New(db, idem.Options{KeyFunc: idem.Header(benchSource, benchHeader), Table: "ledger_keys"})
+					if err != nil {
+						b.Fatal(err)
+					}
+					h = m.Handler(idemLedger("ledger"))
+				case "inline":
+					h = inlineLedger(db, "ledger_keys", "ledger")
+				case "bare":
+					h = bareLedger(db, "ledger")
+				}
+				s := newSender(h)
+				if st := s.send(eventID, body); st != http.StatusCreated {
+					b.Fatalf("status %d", st)
+				}
+				b.ReportAllocs()
+				before := c.count.n.Load()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					s.send(eventID, body)
+				}
+				b.StopTimer()
+				if s.w.status != http.StatusCreated {
+					b.Fatalf("status %d", s.w.status)
+				}
+				b.ReportMetric(float64(c.count.n.Load()-before)/float64(b.N), "stmts/op")
+			})
+		}
+	}
+}
