@@ -60,16 +60,16 @@ const (
 
 // ---- the handler work, shared by every impl --------------------------------
 
-// ledgerInsert appends one row to the ledger and returns its id.
-func ledgerInsert(ctx context.Context, tx *sql.Tx, ledger, eventID string, body []byte) (int64, error) {
+// benchLedgerInsert appends one row to the ledger and returns its id.
+func benchLedgerInsert(ctx context.Context, tx *sql.Tx, ledger, eventID string, body []byte) (int64, error) {
 	var id int64
 	err := tx.QueryRowContext(ctx, `INSERT INTO `+ledger+` (event_id, body) VALUES ($1, $2) RETURNING id`,
 		eventID, body).Scan(&id)
 	return id, err
 }
 
-// ledgerAnswer is the handler's JSON answer.
-func ledgerAnswer(id int64, eventID string) []byte {
+// benchAnswer is the handler's JSON answer.
+func benchAnswer(id int64, eventID string) []byte {
 	b := make([]byte, 0, 48+len(eventID))
 	b = append(b, `{"ledger_id":`...)
 	b = strconv.AppendInt(b, id, 10)
@@ -78,15 +78,15 @@ func ledgerAnswer(id int64, eventID string) []byte {
 	return append(b, "}\n"...)
 }
 
-func writeJSON(w http.ResponseWriter, status int, body []byte) {
+func benchWriteJSON(w http.ResponseWriter, status int, body []byte) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_, _ = w.Write(body)
 }
 
-// idemLedger is the handler behind the middleware: the ledger write in the
+// benchIdemHandler is the handler behind the middleware: the ledger write in the
 // middleware's transaction.
-func idemLedger(ledger string) http.Handler {
+func benchIdemHandler(ledger string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, ok := idem.Tx(r.Context())
 		if !ok {
@@ -99,17 +99,17 @@ func idemLedger(ledger string) http.Handler {
 			http.Error(w, "read body", http.StatusBadRequest)
 			return
 		}
-		id, err := ledgerInsert(r.Context(), tx, ledger, key.EventID, body)
+		id, err := benchLedgerInsert(r.Context(), tx, ledger, key.EventID, body)
 		if err != nil {
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
 			return
 		}
-		writeJSON(w, http.StatusCreated, ledgerAnswer(id, key.EventID))
+		benchWriteJSON(w, http.StatusCreated, benchAnswer(id, key.EventID))
 	})
 }
 
-// bareLedger is the ledger write in a plain transaction: no idempotency.
-func bareLedger(db *sql.DB, ledger string) http.Handler {
+// benchBareHandler is the ledger write in a plain transaction: no idempotency.
+func benchBareHandler(db *sql.DB, ledger string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := r.Context()
 		eventID := r.Header.Get(benchHeader)
@@ -124,7 +124,7 @@ func bareLedger(db *sql.DB, ledger string) http.Handler {
 			return
 		}
 		defer func() { _ = tx.Rollback() }()
-		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
+		id, err := benchLedgerInsert(ctx, tx, ledger, eventID, body)
 		if err != nil {
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
 			return
@@ -133,13 +133,13 @@ func bareLedger(db *sql.DB, ledger string) http.Handler {
 			http.Error(w, "commit", http.StatusServiceUnavailable)
 			return
 		}
-		writeJSON(w, http.StatusCreated, ledgerAnswer(id, eventID))
+		benchWriteJSON(w, http.StatusCreated, benchAnswer(id, eventID))
 	})
 }
 
-// inlineLedger is the seed's handler written by hand: the best a user would
+// benchInlineHandler is the seed's handler written by hand: the best a user would
 // write without a middleware, on the same table as the middleware's.
-func inlineLedger(db *sql.DB, table, ledger string) http.Handler {
+func benchInlineHandler(db *sql.DB, table, ledger string) http.Handler {
 	q := `"` + table + `"`
 	claim := `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
 ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
@@ -185,22 +185,22 @@ WHERE source = $1 AND event_id = $2`
 				http.Error(w, "payload mismatch", http.StatusUnprocessableEntity)
 			default:
 				w.Header().Set("Idempotent-Replayed", "true")
-				writeJSON(w, int(status.Int32), answer)
+				benchWriteJSON(w, int(status.Int32), answer)
 			}
 			return
-		case pgState(err) == "55P03":
+		case benchSQLState(err) == "55P03":
 			http.Error(w, "in flight", http.StatusConflict)
 			return
 		case err != nil:
 			http.Error(w, "claim", http.StatusServiceUnavailable)
 			return
 		}
-		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
+		id, err := benchLedgerInsert(ctx, tx, ledger, eventID, body)
 		if err != nil {
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
 			return
 		}
-		answer := ledgerAnswer(id, eventID)
+		answer := benchAnswer(id, eventID)
 		if _, err := tx.ExecContext(ctx, complete, benchSource, eventID, http.StatusCreated, headers, answer); err != nil {
 			http.Error(w, "store", http.StatusServiceUnavailable)
 			return
@@ -209,11 +209,11 @@ WHERE source = $1 AND event_id = $2`
 			http.Error(w, "commit", http.StatusServiceUnavailable)
 			return
 		}
-		writeJSON(w, http.StatusCreated, answer)
+		benchWriteJSON(w, http.StatusCreated, answer)
 	})
 }
 
-func pgState(err error) string {
+func benchSQLState(err error) string {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
 		return pe.Code
@@ -233,44 +233,44 @@ func benchBody(eventID string) []byte {
 	return []byte(head + strings.Repeat("x", pad) + `"}`)
 }
 
-// discardWriter is a ResponseWriter that keeps the status and the body
+// benchWriter is a ResponseWriter that keeps the status and the body
 // length, reusable across requests.
-type discardWriter struct {
+type benchWriter struct {
 	h      http.Header
 	status int
 	n      int
 }
 
-func (d *discardWriter) Header() http.Header { return d.h }
-func (d *discardWriter) WriteHeader(s int) {
+func (d *benchWriter) Header() http.Header { return d.h }
+func (d *benchWriter) WriteHeader(s int) {
 	if d.status == 0 {
 		d.status = s
 	}
 }
-func (d *discardWriter) Write(p []byte) (int, error) {
+func (d *benchWriter) Write(p []byte) (int, error) {
 	if d.status == 0 {
 		d.status = http.StatusOK
 	}
 	d.n += len(p)
 	return len(p), nil
 }
-func (d *discardWriter) reset() {
+func (d *benchWriter) reset() {
 	clear(d.h)
 	d.status, d.n = 0, 0
 }
 
-// sender sends requests to a handler, reusing its request, body reader and
+// benchSender sends requests to a handler, reusing its request, body reader and
 // writer so that its own allocations stay out of the numbers.
-type sender struct {
+type benchSender struct {
 	h   http.Handler
 	r   *http.Request
 	br  *bytes.Reader
-	w   discardWriter
+	w   benchWriter
 	ids []string // X-Event-Id value slot
 }
 
-func newSender(h http.Handler) *sender {
-	s := &sender{h: h, br: bytes.NewReader(nil), w: discardWriter{h: http.Header{}}}
+func newBenchSender(h http.Handler) *benchSender {
+	s := &benchSender{h: h, br: bytes.NewReader(nil), w: benchWriter{h: http.Header{}}}
 	s.r, _ = http.NewRequestWithContext(context.Background(), http.MethodPost, "http://bench/hook", nil)
 	s.ids = []string{""}
 	s.r.Header[benchHeader] = s.ids
@@ -278,7 +278,7 @@ func newSender(h http.Handler) *sender {
 }
 
 // send posts body with the event id and returns the status.
-func (s *sender) send(eventID string, body []byte) int {
+func (s *benchSender) send(eventID string, body []byte) int {
 	s.ids[0] = eventID
 	s.br.Reset(body)
 	s.r.Body = io.NopCloser(s.br)
@@ -290,33 +290,33 @@ func (s *sender) send(eventID string, body []byte) int {
 
 // ---- statement counting ----------------------------------------------------
 
-// stmtCounter counts what a pool sends: each is one round trip.
-type stmtCounter struct{ n atomic.Int64 }
+// benchCounter counts what a pool sends: each is one round trip.
+type benchCounter struct{ n atomic.Int64 }
 
-// countingConnector wraps a driver.Connector (pgx's) and counts BEGIN,
+// benchCountingConnector wraps a driver.Connector (pgx's) and counts BEGIN,
 // Exec, Query, COMMIT and ROLLBACK on every connection it makes.
-type countingConnector struct {
+type benchCountingConnector struct {
 	inner driver.Connector
-	c     *stmtCounter
+	c     *benchCounter
 }
 
-func (cc *countingConnector) Connect(ctx context.Context) (driver.Conn, error) {
+func (cc *benchCountingConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	conn, err := cc.inner.Connect(ctx)
 	if err != nil {
 		return nil, err
 	}
-	full, ok := conn.(fullConn)
+	full, ok := conn.(benchFullConn)
 	if !ok {
 		_ = conn.Close()
-		return nil, fmt.Errorf("countingConnector: %T lacks a driver interface", conn)
+		return nil, fmt.Errorf("benchCountingConnector: %T lacks a driver interface", conn)
 	}
-	return &countingConn{fullConn: full, c: cc.c}, nil
+	return &benchCountingConn{benchFullConn: full, c: cc.c}, nil
 }
 
-func (cc *countingConnector) Driver() driver.Driver { return cc.inner.Driver() }
+func (cc *benchCountingConnector) Driver() driver.Driver { return cc.inner.Driver() }
 
-// fullConn is what pgx's stdlib connection implements.
-type fullConn interface {
+// benchFullConn is what pgx's stdlib connection implements.
+type benchFullConn interface {
 	driver.Conn
 	driver.ConnBeginTx
 	driver.ExecerContext
@@ -327,51 +327,51 @@ type fullConn interface {
 	driver.NamedValueChecker
 }
 
-type countingConn struct {
-	fullConn
-	c *stmtCounter
+type benchCountingConn struct {
+	benchFullConn
+	c *benchCounter
 }
 
-func (cc *countingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+func (cc *benchCountingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
 	cc.c.n.Add(1)
-	tx, err := cc.fullConn.BeginTx(ctx, opts)
+	tx, err := cc.benchFullConn.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
-	return &countingTx{Tx: tx, c: cc.c}, nil
+	return &benchCountingTx{Tx: tx, c: cc.c}, nil
 }
 
-func (cc *countingConn) ExecContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Result, error) {
+func (cc *benchCountingConn) ExecContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Result, error) {
 	cc.c.n.Add(1)
-	return cc.fullConn.ExecContext(ctx, q, args)
+	return cc.benchFullConn.ExecContext(ctx, q, args)
 }
 
-func (cc *countingConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
+func (cc *benchCountingConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
 	cc.c.n.Add(1)
-	return cc.fullConn.QueryContext(ctx, q, args)
+	return cc.benchFullConn.QueryContext(ctx, q, args)
 }
 
-type countingTx struct {
+type benchCountingTx struct {
 	driver.Tx
-	c *stmtCounter
+	c *benchCounter
 }
 
-func (t *countingTx) Commit() error   { t.c.n.Add(1); return t.Tx.Commit() }
-func (t *countingTx) Rollback() error { t.c.n.Add(1); return t.Tx.Rollback() }
+func (t *benchCountingTx) Commit() error   { t.c.n.Add(1); return t.Tx.Commit() }
+func (t *benchCountingTx) Rollback() error { t.c.n.Add(1); return t.Tx.Rollback() }
 
 // ---- the PostgreSQL world ----------------------------------------------------
 
-// pgWorld is one benchmark's tables and pools in the test database.
-type pgWorld struct {
+// benchWorld is one benchmark's tables and pools in the test database.
+type benchWorld struct {
 	db     *sql.DB
-	count  *stmtCounter
+	count  *benchCounter
 	table  string // idempotency table (the middleware's or the inline one's)
 	ledger string
 }
 
 // openBenchPool opens a counted pool of benchPool connections on the test
 // database; params are extra run-time parameters (e.g. lock_timeout).
-func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *stmtCounter) {
+func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *benchCounter) {
 	b.Helper()
 	cfg, err := pgx.ParseConfig(idem.TestDatabaseURL(b))
 	if err != nil {
@@ -380,8 +380,8 @@ func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *stmtCounte
 	for k, v := range params {
 		cfg.RuntimeParams[k] = v
 	}
-	c := &stmtCounter{}
-	db := sql.OpenDB(&countingConnector{inner: stdlib.GetConnector(*cfg), c: c})
+	c := &benchCounter{}
+	db := sql.OpenDB(&benchCountingConnector{inner: stdlib.GetConnector(*cfg), c: c})
 	db.SetMaxOpenConns(benchPool)
 	db.SetMaxIdleConns(benchPool) // the default of 2 would reconnect under load
 	b.Cleanup(func() { db.Close() })
@@ -391,10 +391,10 @@ func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *stmtCounte
 	return db, c
 }
 
-func newPGWorld(b *testing.B) *pgWorld {
+func newBenchWorld(b *testing.B) *benchWorld {
 	b.Helper()
 	db, c := openBenchPool(b, nil)
-	w := &pgWorld{db: db, count: c, table: idem.NewTestTable(b, db)}
+	w := &benchWorld{db: db, count: c, table: idem.NewTestTable(b, db)}
 	w.ledger = "ledger_" + w.table
 	if _, err := db.Exec(`CREATE TABLE ` + w.ledger + ` (
 		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`); err != nil {
@@ -403,7 +403,7 @@ func newPGWorld(b *testing.B) *pgWorld {
 	return w
 }
 
-func (w *pgWorld) middleware(b *testing.B, opts idem.Options) *idem.Middleware {
+func (w *benchWorld) middleware(b *testing.B, opts idem.Options) *idem.Middleware {
 	b.Helper()
 	opts.KeyFunc = idem.Header(benchSource, benchHeader)
 	opts.Table = w.table
@@ -415,14 +415,14 @@ func (w *pgWorld) middleware(b *testing.B, opts idem.Options) *idem.Middleware {
 }
 
 // handler returns the impl's handler on this world.
-func (w *pgWorld) handler(b *testing.B, impl string) http.Handler {
+func (w *benchWorld) handler(b *testing.B, impl string) http.Handler {
 	switch impl {
 	case "idem":
-		return w.middleware(b, idem.Options{}).Handler(idemLedger(w.ledger))
+		return w.middleware(b, idem.Options{}).Handler(benchIdemHandler(w.ledger))
 	case "inline":
-		return inlineLedger(w.db, w.table, w.ledger)
+		return benchInlineHandler(w.db, w.table, w.ledger)
 	case "bare":
-		return bareLedger(w.db, w.ledger)
+		return benchBareHandler(w.db, w.ledger)
 	}
 	b.Fatalf("unknown impl %q", impl)
 	return nil
@@ -430,9 +430,9 @@ func (w *pgWorld) handler(b *testing.B, impl string) http.Handler {
 
 var benchRun atomic.Int64 // makes every benchmark run's keys unique
 
-// runParallel runs benchSenders goroutines, each calling do with its own
+// benchParallel runs benchSenders goroutines, each calling do with its own
 // sender until b.N requests have been sent, and reports stmts/op and req/s.
-func runParallel(b *testing.B, h http.Handler, count *stmtCounter, do func(s *sender, i int64) int, want int) {
+func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s *benchSender, i int64) int, want int) {
 	b.Helper()
 	b.ReportAllocs()
 	// RunParallel starts parallelism x GOMAXPROCS goroutines.
@@ -445,7 +445,7 @@ func runParallel(b *testing.B, h http.Handler, count *stmtCounter, do func(s *se
 	before := count.n.Load()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
-		s := newSender(h)
+		s := newBenchSender(h)
 		for pb.Next() {
 			if st := do(s, seq.Add(1)); st != want {
 				bad.Add(1)
@@ -465,10 +465,10 @@ func runParallel(b *testing.B, h http.Handler, count *stmtCounter, do func(s *se
 func BenchmarkNewEvent(b *testing.B) {
 	for _, impl := range []string{"idem", "inline", "bare"} {
 		b.Run("impl="+impl, func(b *testing.B) {
-			w := newPGWorld(b)
+			w := newBenchWorld(b)
 			h := w.handler(b, impl)
 			prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
-			runParallel(b, h, w.count, func(s *sender, i int64) int {
+			benchParallel(b, h, w.count, func(s *benchSender, i int64) int {
 				id := prefix + strconv.FormatInt(i, 10)
 				return s.send(id, benchBody(id))
 			}, http.StatusCreated)
@@ -481,10 +481,10 @@ func BenchmarkNewEvent(b *testing.B) {
 func BenchmarkCompletedDuplicate(b *testing.B) {
 	for _, impl := range []string{"idem", "inline"} {
 		b.Run("impl="+impl, func(b *testing.B) {
-			w := newPGWorld(b)
+			w := newBenchWorld(b)
 			h := w.handler(b, impl)
-			ids, bodies := seed(b, h, fmt.Sprintf("dup-%d-", benchRun.Add(1)), benchDupKeys)
-			runParallel(b, h, w.count, func(s *sender, i int64) int {
+			ids, bodies := benchSeed(b, h, fmt.Sprintf("dup-%d-", benchRun.Add(1)), benchDupKeys)
+			benchParallel(b, h, w.count, func(s *benchSender, i int64) int {
 				k := i % int64(len(ids))
 				return s.send(ids[k], bodies[k])
 			}, http.StatusCreated)
@@ -492,12 +492,12 @@ func BenchmarkCompletedDuplicate(b *testing.B) {
 	}
 }
 
-// seed completes n keys through h.
-func seed(b *testing.B, h http.Handler, prefix string, n int) ([]string, [][]byte) {
+// benchSeed completes n keys through h.
+func benchSeed(b *testing.B, h http.Handler, prefix string, n int) ([]string, [][]byte) {
 	b.Helper()
 	ids := make([]string, n)
 	bodies := make([][]byte, n)
-	s := newSender(h)
+	s := newBenchSender(h)
 	for i := range ids {
 		ids[i] = prefix + strconv.Itoa(i)
 		bodies[i] = benchBody(ids[i])
@@ -517,7 +517,7 @@ func seed(b *testing.B, h http.Handler, prefix string, n int) ([]string, [][]byt
 func BenchmarkInFlightDuplicate(b *testing.B) {
 	for _, impl := range []string{"idem", "inline"} {
 		b.Run("impl="+impl, func(b *testing.B) {
-			w := newPGWorld(b)
+			w := newBenchWorld(b)
 			eventID := fmt.Sprintf("inflight-%d", benchRun.Add(1))
 			body := benchBody(eventID)
 			release := make(chan struct{})
@@ -534,9 +534,9 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 				})
 				go func() {
 					defer close(done)
-					newSender(m.Handler(blocking)).send(eventID, body)
+					newBenchSender(m.Handler(blocking)).send(eventID, body)
 				}()
-				h = m.Handler(idemLedger(w.ledger))
+				h = m.Handler(benchIdemHandler(w.ledger))
 			case "inline":
 				digest := sha256.Sum256(body)
 				tx, err := w.db.Begin()
@@ -555,11 +555,11 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 				}()
 				db, c := openBenchPool(b, map[string]string{"lock_timeout": "1ms"})
 				w.count = c
-				h = inlineLedger(db, w.table, w.ledger)
+				h = benchInlineHandler(db, w.table, w.ledger)
 			}
 			<-held
 			defer func() { close(release); <-done }()
-			runParallel(b, h, w.count, func(s *sender, _ int64) int {
+			benchParallel(b, h, w.count, func(s *benchSender, _ int64) int {
 				return s.send(eventID, body)
 			}, http.StatusConflict)
 		})
@@ -568,87 +568,91 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 
 // ---- the no-op driver --------------------------------------------------------
 
-// noopConnector is a database/sql driver that answers every statement at
+// benchNoopConnector is a database/sql driver that answers every statement at
 // once, as PostgreSQL would for the path it is set to: the claim is won
 // (path new) or finds a completed row (path dup). It lets the benchmark
 // see the middleware's own CPU and allocations, without a server.
-type noopConnector struct {
+type benchNoopConnector struct {
 	dup    bool
 	digest []byte // of the body the completed row was claimed with
 	answer []byte
-	count  stmtCounter
+	count  benchCounter
 }
 
-func (c *noopConnector) Connect(context.Context) (driver.Conn, error) { return &noopConn{c: c}, nil }
-func (c *noopConnector) Driver() driver.Driver                        { return noopDriver{} }
+func (c *benchNoopConnector) Connect(context.Context) (driver.Conn, error) {
+	return &benchNoopConn{c: c}, nil
+}
+func (c *benchNoopConnector) Driver() driver.Driver { return benchNoopDriver{} }
 
-type noopDriver struct{}
+type benchNoopDriver struct{}
 
-func (noopDriver) Open(string) (driver.Conn, error) {
+func (benchNoopDriver) Open(string) (driver.Conn, error) {
 	return nil, errors.New("noop: use the connector")
 }
 
-type noopConn struct{ c *noopConnector }
+type benchNoopConn struct{ c *benchNoopConnector }
 
-func (*noopConn) Prepare(string) (driver.Stmt, error) { return nil, errors.New("noop: no prepare") }
-func (*noopConn) Close() error                        { return nil }
-func (c *noopConn) Begin() (driver.Tx, error) {
+func (*benchNoopConn) Prepare(string) (driver.Stmt, error) {
+	return nil, errors.New("noop: no prepare")
+}
+func (*benchNoopConn) Close() error { return nil }
+func (c *benchNoopConn) Begin() (driver.Tx, error) {
 	return c.BeginTx(context.Background(), driver.TxOptions{})
 }
-func (c *noopConn) BeginTx(context.Context, driver.TxOptions) (driver.Tx, error) {
+func (c *benchNoopConn) BeginTx(context.Context, driver.TxOptions) (driver.Tx, error) {
 	c.c.count.n.Add(1)
-	return noopTx{c.c}, nil
+	return benchNoopTx{c.c}, nil
 }
 
-func (c *noopConn) ExecContext(context.Context, string, []driver.NamedValue) (driver.Result, error) {
+func (c *benchNoopConn) ExecContext(context.Context, string, []driver.NamedValue) (driver.Result, error) {
 	c.c.count.n.Add(1)
 	return driver.RowsAffected(1), nil
 }
 
 var (
-	claimCols  = []string{"got", "won", "payload_digest", "response_status", "response_headers", "response_body", "completed"}
-	oneCol     = []string{"?column?"}
-	idCol      = []string{"id"}
-	lookupCols = []string{"payload_digest", "response_status", "response_body"}
-	headersRaw = []byte(`{"Content-Type": ["application/json"]}`)
+	benchClaimCols     = []string{"got", "won", "payload_digest", "response_status", "response_headers", "response_body", "completed"}
+	benchOneCol        = []string{"?column?"}
+	benchIDCol         = []string{"id"}
+	benchLookupCols    = []string{"payload_digest", "response_status", "response_body"}
+	benchStoredHeaders = []byte(`{"Content-Type": ["application/json"]}`)
 )
 
-func (c *noopConn) QueryContext(_ context.Context, q string, _ []driver.NamedValue) (driver.Rows, error) {
+func (c *benchNoopConn) QueryContext(_ context.Context, q string, _ []driver.NamedValue) (driver.Rows, error) {
 	c.c.count.n.Add(1)
 	cc := c.c
 	switch {
 	case strings.HasPrefix(q, "WITH l AS"): // the middleware's claim
 		if cc.dup {
-			return &noopRows{cols: claimCols, row: []driver.Value{true, false, cc.digest, int64(201), headersRaw, cc.answer, true}}, nil
+			return &benchNoopRows{cols: benchClaimCols, row: []driver.Value{true, false, cc.digest, int64(201), benchStoredHeaders, cc.answer, true}}, nil
 		}
-		return &noopRows{cols: claimCols, row: []driver.Value{true, true, nil, nil, nil, nil, false}}, nil
+		return &benchNoopRows{cols: benchClaimCols, row: []driver.Value{true, true, nil, nil, nil, nil, false}}, nil
 	case strings.HasPrefix(q, "INSERT INTO ledger"):
-		return &noopRows{cols: idCol, row: []driver.Value{int64(42)}}, nil
+		return &benchNoopRows{cols: benchIDCol, row: []driver.Value{int64(42)}}, nil
 	case strings.HasPrefix(q, "INSERT INTO"): // the inline claim
 		if cc.dup {
-			return &noopRows{cols: oneCol}, nil
+			return &benchNoopRows{cols: benchOneCol}, nil
 		}
-		return &noopRows{cols: oneCol, row: []driver.Value{int64(1)}}, nil
+		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{int64(1)}}, nil
 	case strings.HasPrefix(q, "SELECT payload_digest"): // the inline lookup
-		return &noopRows{cols: lookupCols, row: []driver.Value{cc.digest, int64(201), cc.answer}}, nil
+		return &benchNoopRows{cols: benchLookupCols, row: []driver.Value{cc.digest, int64(201), cc.answer}}, nil
 	}
 	return nil, fmt.Errorf("noop: unexpected query %.40q", q)
 }
 
-type noopTx struct{ c *noopConnector }
+type benchNoopTx struct{ c *benchNoopConnector }
 
-func (t noopTx) Commit() error   { t.c.count.n.Add(1); return nil }
-func (t noopTx) Rollback() error { t.c.count.n.Add(1); return nil }
+func (t benchNoopTx) Commit() error   { t.c.count.n.Add(1); return nil }
+func (t benchNoopTx) Rollback() error { t.c.count.n.Add(1); return nil }
 
-type noopRows struct {
+type benchNoopRows struct {
 	cols []string
 	row  []driver.Value // nil: no rows
 	done bool
 }
 
-func (r *noopRows) Columns() []string { return r.cols }
-func (r *noopRows) Close() error      { return nil }
-func (r *noopRows) Next(dest []driver.Value) error {
+func (r *benchNoopRows) Columns() []string { return r.cols }
+func (r *benchNoopRows) Close() error      { return nil }
+func (r *benchNoopRows) Next(dest []driver.Value) error {
 	if r.done || r.row == nil {
 		return io.EOF
 	}
@@ -671,7 +675,7 @@ func BenchmarkNoopDriver(b *testing.B) {
 				continue // bare has no duplicate path
 			}
 			b.Run("path="+path+"/impl="+impl, func(b *testing.B) {
-				c := &noopConnector{dup: path == "dup", digest: digest[:], answer: ledgerAnswer(42, eventID)}
+				c := &benchNoopConnector{dup: path == "dup", digest: digest[:], answer: benchAnswer(42, eventID)}
 				db := sql.OpenDB(c)
 				db.SetMaxIdleConns(4)
 				b.Cleanup(func() { db.Close() })
@@ -682,13 +686,13 @@ func BenchmarkNoopDriver(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					h = m.Handler(idemLedger("ledger"))
+					h = m.Handler(benchIdemHandler("ledger"))
 				case "inline":
-					h = inlineLedger(db, "ledger_keys", "ledger")
+					h = benchInlineHandler(db, "ledger_keys", "ledger")
 				case "bare":
-					h = bareLedger(db, "ledger")
+					h = benchBareHandler(db, "ledger")
 				}
-				s := newSender(h)
+				s := newBenchSender(h)
 				if st := s.send(eventID, body); st != http.StatusCreated {
 					b.Fatalf("status %d", st)
 				}
