@@ -1,0 +1,55 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/idem/examples/internal/testdb"
+	"github.com/pgidem/idem/examples/internal/webhooktest"
+)
+
+func TestGorilla(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	require.NoError(t, migrate(context.Background(), db))
+	h, err := newServer(db)
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	const body = `{"ref":"refs/heads/main","after":"6113728f","repository":{"full_name":"octo/hello"}}`
+	deliver := func(hook, guid, event string) webhooktest.Reply {
+		return webhooktest.Post(t, srv.URL+"/webhooks/github", body,
+			"X-GitHub-Event", event, "X-GitHub-Delivery", guid, "X-GitHub-Hook-ID", hook)
+	}
+	builds := func() int { return webhooktest.Count(t, db, `SELECT count(*) FROM builds`) }
+
+	first := deliver("42", "72d3162e", "push")
+	require.Equal(t, http.StatusCreated, first.Status, "body: %s", first.Body)
+	redelivered := deliver("42", "72d3162e", "push")
+	webhooktest.AssertReplay(t, first, redelivered)
+	assert.Equal(t, 1, builds(), "a redelivery builds nothing more")
+
+	t.Run("another hook on the same event is another key", func(t *testing.T) {
+		other := deliver("43", "72d3162e", "push")
+		require.Equal(t, http.StatusCreated, other.Status)
+		assert.False(t, other.Replayed())
+		assert.Equal(t, 2, builds())
+	})
+
+	t.Run("other events are acknowledged once and replayed", func(t *testing.T) {
+		ping := deliver("42", "0a1b2c3d", "ping")
+		require.Equal(t, http.StatusNoContent, ping.Status)
+		webhooktest.AssertReplay(t, ping, deliver("42", "0a1b2c3d", "ping"))
+		assert.Equal(t, 2, builds())
+	})
+
+	t.Run("routes outside the sub-router are not claimed", func(t *testing.T) {
+		r := webhooktest.Post(t, srv.URL+"/elsewhere", body)
+		assert.Equal(t, http.StatusNotFound, r.Status)
+	})
+}
