@@ -24,6 +24,8 @@ const (
 	DefaultMaxResponseBytes = 1 << 20 // 1 MiB
 	DefaultRetryAfter       = time.Second
 	DefaultHandlerTimeout   = 30 * time.Second
+	DefaultReplayCacheBytes = 16 << 20 // 16 MiB
+	DefaultReplayCacheTTL   = time.Minute
 )
 
 // maxClaimAttempts bounds how often one request begins a claim transaction:
@@ -116,6 +118,20 @@ type Options struct {
 	// on w when the answer invites a retry.
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, p *Problem)
 
+	// ReplayCacheBytes bounds an in-memory cache of completed answers, so
+	// duplicates this instance has already answered or replayed are served
+	// without a database round trip (the body digest is still checked).
+	// Duplicates of keys this instance has not seen always go to the
+	// database. 0 means DefaultReplayCacheBytes (16 MiB); a negative value
+	// turns the cache off.
+	ReplayCacheBytes int64
+
+	// ReplayCacheTTL is how long a cached answer is served from memory. A
+	// key's row can only change by being deleted (by the retention sweep, or
+	// by hand to have an event processed again); after this long, every
+	// instance sees the deletion. 0 means DefaultReplayCacheTTL (1 minute).
+	ReplayCacheTTL time.Duration
+
 	// Observer, if set, is called once per request the middleware handles,
 	// after the answer is written, with its outcome and timings. It runs on
 	// the request's goroutine: keep it fast (count, don't block).
@@ -167,6 +183,7 @@ type Observation struct {
 	Status   int           // the status sent to the client
 	Duration time.Duration // from the middleware's start to the answer written
 	Wait     time.Duration // time spent waiting for an in-flight original
+	Cached   bool          // replayed from this instance's memory, without the database
 	Err      error         // the cause, for every outcome but completed and replayed
 }
 
@@ -189,6 +206,7 @@ type Middleware struct {
 	logger         *slog.Logger
 	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
 	observer       func(Observation)
+	cache          *replayCache
 }
 
 // New validates opts and returns a Middleware that claims keys in db, which
@@ -252,6 +270,18 @@ func New(db *sql.DB, opts Options) (*Middleware, error) {
 	case retry < 0:
 		return nil, errors.New("idem: Options.RetryAfter must not be negative")
 	}
+	ttl := opts.ReplayCacheTTL
+	switch {
+	case ttl == 0:
+		ttl = DefaultReplayCacheTTL
+	case ttl < 0:
+		return nil, errors.New("idem: Options.ReplayCacheTTL must not be negative")
+	}
+	cacheBytes := opts.ReplayCacheBytes
+	if cacheBytes == 0 {
+		cacheBytes = DefaultReplayCacheBytes
+	}
+	m.cache = newReplayCache(cacheBytes, ttl)
 	m.retryAfter = strconv.FormatInt(int64((retry+time.Second-1)/time.Second), 10)
 	if m.cacheStatus == nil {
 		m.cacheStatus = func(s int) bool { return s >= 200 && s < 300 }
@@ -370,6 +400,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	x.obs.Key = key
 	digest := sha256.Sum256(body)
 
+	if s, ok := m.cache.get(key, x.start); ok {
+		x.obs.Cached = true
+		if subtle.ConstantTimeCompare(s.digest, digest[:]) != 1 {
+			x.fail(OutcomeMismatch, problemFor(ErrPayloadMismatch))
+			return
+		}
+		x.replay(s)
+		return
+	}
+
 	// The work is not tied to the client's connection: a client that hangs
 	// up mid-handler must not roll back work that its redelivery would then
 	// redo. HandlerTimeout bounds it instead.
@@ -383,10 +423,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		x.fail(c.outcome, c.problem)
 		return
 	case c.replay != nil:
+		m.cache.put(key, c.replay, x.start)
 		x.replay(c.replay)
 		return
 	}
-	m.run(ctx, x, c.tx, key, body, next)
+	m.run(ctx, x, c.tx, key, body, digest[:], next)
 }
 
 // readBody reads the whole request body, bounded by MaxBodyBytes.
@@ -547,7 +588,7 @@ func retryable(err error) bool {
 
 // run calls the handler inside the claim's transaction, then commits its
 // answer or rolls everything back.
-func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body []byte, next http.Handler) {
+func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body, digest []byte, next http.Handler) {
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent
@@ -581,7 +622,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 		return
 	}
 
-	headers := m.encodeHeaders(rec.header)
+	kept, headers := m.replayHeadersOf(rec.header)
 	err := m.q.doComplete(ctx, tx, k, status, headers, rec.body.Bytes())
 	if err == nil {
 		err = tx.Commit()
@@ -594,6 +635,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	}
 	x.obs.Outcome = OutcomeCompleted
 	x.answer(rec)
+	m.cache.put(k, &stored{digest: digest, status: status, header: kept, body: bytes.Clone(rec.body.Bytes())}, x.start)
 }
 
 // finishProblem names why storing the answer or committing failed.
@@ -607,16 +649,17 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
 }
 
-// encodeHeaders keeps the allow-listed headers, as a JSON object.
-func (m *Middleware) encodeHeaders(h http.Header) []byte {
-	keep := make(map[string][]string, 2)
+// replayHeadersOf keeps the allow-listed headers of an answer, as copies and
+// as the JSON object stored in response_headers.
+func (m *Middleware) replayHeadersOf(h http.Header) (http.Header, []byte) {
+	keep := make(http.Header, 2)
 	for _, name := range m.replayHeaders {
 		if v, ok := h[name]; ok {
-			keep[name] = v
+			keep[name] = append([]string(nil), v...)
 		}
 	}
 	b, _ := json.Marshal(keep) // cannot fail: strings only
-	return b
+	return keep, b
 }
 
 // replay answers a duplicate with the stored response. Headers set by
@@ -624,7 +667,7 @@ func (m *Middleware) encodeHeaders(h http.Header) []byte {
 func (x *exchange) replay(s *stored) {
 	dst := x.w.Header()
 	for k, v := range s.header {
-		dst[k] = v
+		dst[k] = append([]string(nil), v...) // the cache keeps its own
 	}
 	dst.Set("Idempotent-Replayed", "true")
 	x.obs.Outcome = OutcomeReplayed

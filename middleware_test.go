@@ -48,41 +48,58 @@ func TestNewEventCommitsClaimWritesAndAnswerTogether(t *testing.T) {
 	assert.Equal(t, int64(1), f.runs.Load())
 }
 
+// replayPaths runs a test with the in-memory replay cache on (duplicates
+// answered from memory) and off (every duplicate goes to the database).
+func replayPaths(t *testing.T, test func(t *testing.T, opts idem.Options, fromMemory bool)) {
+	t.Run("from memory", func(t *testing.T) { t.Parallel(); test(t, idem.Options{}, true) })
+	t.Run("from the database", func(t *testing.T) {
+		t.Parallel()
+		test(t, idem.Options{ReplayCacheBytes: -1}, false)
+	})
+}
+
 func TestCompletedDuplicateIsReplayedByteForByte(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idem.Options{ReplayHeaders: []string{"X-Ledger-Id"}}, nil)
+	replayPaths(t, func(t *testing.T, opts idem.Options, fromMemory bool) {
+		opts.ReplayHeaders = []string{"X-Ledger-Id"}
+		f := newFixture(t, opts, nil)
 
-	first := f.post("evt_1", `{"amount": 10}`)
-	require.Equal(t, http.StatusCreated, first.status)
-	for i := 0; i < 3; i++ {
-		dup := f.post("evt_1", `{"amount": 10}`)
-		assert.Equal(t, first.status, dup.status)
-		assert.Equal(t, first.body, dup.body, "exact bytes, whitespace and key order included")
-		assert.Equal(t, "application/json", dup.header.Get("Content-Type"))
-		assert.Equal(t, first.header.Get("X-Ledger-Id"), dup.header.Get("X-Ledger-Id"))
-		assert.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
-	}
-	assert.Equal(t, int64(1), f.runs.Load(), "the handler ran once")
-	assert.Equal(t, 1, f.ledgerRows())
-	outcomes := []idem.Outcome{}
-	for _, o := range f.observations() {
-		outcomes = append(outcomes, o.Outcome)
-	}
-	assert.Equal(t, []idem.Outcome{idem.OutcomeCompleted, idem.OutcomeReplayed, idem.OutcomeReplayed, idem.OutcomeReplayed}, outcomes)
+		first := f.post("evt_1", `{"amount": 10}`)
+		require.Equal(t, http.StatusCreated, first.status)
+		for i := 0; i < 3; i++ {
+			dup := f.post("evt_1", `{"amount": 10}`)
+			assert.Equal(t, first.status, dup.status)
+			assert.Equal(t, first.body, dup.body, "exact bytes, whitespace and key order included")
+			assert.Equal(t, "application/json", dup.header.Get("Content-Type"))
+			assert.Equal(t, first.header.Get("X-Ledger-Id"), dup.header.Get("X-Ledger-Id"))
+			assert.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
+		}
+		assert.Equal(t, int64(1), f.runs.Load(), "the handler ran once")
+		assert.Equal(t, 1, f.ledgerRows())
+		outcomes := []idem.Outcome{}
+		for i, o := range f.observations() {
+			outcomes = append(outcomes, o.Outcome)
+			assert.Equal(t, fromMemory && i > 0, o.Cached)
+		}
+		assert.Equal(t, []idem.Outcome{idem.OutcomeCompleted, idem.OutcomeReplayed, idem.OutcomeReplayed, idem.OutcomeReplayed}, outcomes)
+	})
 }
 
 func TestCompletedKeyWithDifferentBodyIs422(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idem.Options{}, nil)
+	replayPaths(t, func(t *testing.T, opts idem.Options, fromMemory bool) {
+		f := newFixture(t, opts, nil)
 
-	require.Equal(t, http.StatusCreated, f.post("evt_1", `{"amount": 10}`).status)
-	r := f.post("evt_1", `{"amount": 99}`)
-	assert.Equal(t, http.StatusUnprocessableEntity, r.status)
-	doc := problemDoc(t, r)
-	assert.EqualValues(t, 422, doc["status"])
-	assert.Equal(t, int64(1), f.runs.Load(), "handler not run for the mismatch")
-	assert.Equal(t, 1, f.ledgerRows())
-	assert.Equal(t, idem.OutcomeMismatch, f.observations()[1].Outcome)
+		require.Equal(t, http.StatusCreated, f.post("evt_1", `{"amount": 10}`).status)
+		r := f.post("evt_1", `{"amount": 99}`)
+		assert.Equal(t, http.StatusUnprocessableEntity, r.status)
+		doc := problemDoc(t, r)
+		assert.EqualValues(t, 422, doc["status"])
+		assert.Equal(t, int64(1), f.runs.Load(), "handler not run for the mismatch")
+		assert.Equal(t, 1, f.ledgerRows())
+		assert.Equal(t, idem.OutcomeMismatch, f.observations()[1].Outcome)
+		assert.Equal(t, fromMemory, f.observations()[1].Cached)
+	})
 }
 
 func TestSameEventIDFromAnotherSourceIsAnotherKey(t *testing.T) {
