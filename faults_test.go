@@ -1,0 +1,421 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The faults that happen in production, against real PostgreSQL: a backend
+// killed mid-handler, the database going away mid-storm, a pool too small
+// for the load, timeouts firing mid-transaction. Each test checks the same
+// promise: what a client was told 2xx is committed exactly once, whatever
+// failed was rolled back and is run again, once, by its redelivery.
+
+func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		// queryAfter: the handler uses its transaction again after the
+		// kill (and answers 500 when that fails); otherwise it answers 201
+		// and the middleware's store of the answer is what fails.
+		queryAfter bool
+		want       int
+	}{
+		{"the middleware's store of the answer fails", false, http.StatusServiceUnavailable},
+		{"the handler's next query fails", true, http.StatusInternalServerError},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pids, release := make(chan int), make(chan struct{})
+			var f *fixture
+			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if f.runs.Load() > 1 {
+					f.ledgerHandler().ServeHTTP(w, r)
+					return
+				}
+				tx, _ := idem.Tx(r.Context())
+				var pid int
+				err := tx.QueryRowContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x') RETURNING pg_backend_pid()`).Scan(&pid)
+				if !assert.NoError(t, err) {
+					pid = 0
+				}
+				pids <- pid
+				<-release
+				if tc.queryAfter {
+					if _, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'y')`); err != nil {
+						http.Error(w, "ledger write failed", http.StatusInternalServerError)
+						return
+					}
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+
+			first := make(chan reply)
+			go func() { first <- f.post("evt_1", "{}") }()
+			pid := <-pids
+			require.NotZero(t, pid)
+			var gone bool
+			// With a timeout, pg_terminate_backend returns once the backend
+			// has exited (or false if it did not within the timeout).
+			require.NoError(t, f.db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
+			require.True(t, gone, "backend %d did not exit", pid)
+			close(release)
+
+			r := <-first
+			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
+			assert.Equal(t, 0, f.ledgerRows(), "the handler's write died with its backend")
+			assert.Equal(t, 0, f.keys(), "nothing stored")
+
+			again := f.post("evt_1", "{}")
+			require.Equal(t, http.StatusCreated, again.status, "the redelivery runs, on a new connection: %s", again.body)
+			assert.Empty(t, again.header.Get("Idempotent-Replayed"))
+			dup := f.post("evt_1", "{}")
+			assert.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
+			assert.Equal(t, again.body, dup.body)
+			assert.Equal(t, 1, f.ledgerRows())
+			assert.Equal(t, int64(2), f.runs.Load(), "the failed run and one redelivery")
+		})
+	}
+}
+
+// TestConnectionLossMidStormLosesAndDoublesNothing cuts the middleware's
+// pool off from the database in the middle of a storm of new events and
+// duplicates (see cutProxy): every open connection dies, the transactions in
+// flight with them, and new connections are refused until the test has seen
+// the outage turn deliveries away. Then the storm is replayed until every
+// event has been answered 2xx, as senders do.
+func TestConnectionLossMidStormLosesAndDoublesNothing(t *testing.T) {
+	t.Parallel()
+	const (
+		events  = 60
+		copies  = 3 // deliveries of each event in the storm
+		workers = 8
+		refuse  = 30 // connections refused before the database comes back
+	)
+	proxy := startProxy(t, databaseHost(t))
+	pool := openPool(t, proxy.Addr(), workers)
+	var (
+		f       *fixture
+		cutOnce sync.Once
+		trigger = "evt_20" // its first run cuts the database off mid-handler
+	)
+	f = newFixtureOn(t, pool, idem.Options{HandlerTimeout: 20 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key, _ := idem.KeyFromContext(r.Context())
+		if key.EventID != trigger {
+			f.ledgerHandler().ServeHTTP(w, r)
+			return
+		}
+		cut := false
+		cutOnce.Do(func() { cut = true })
+		if !cut {
+			f.ledgerHandler().ServeHTTP(w, r)
+			return
+		}
+		// The ledger write and the answer are buffered in the middleware's
+		// transaction and recorder: the database goes away before either is
+		// committed or sent.
+		f.ledgerHandler().ServeHTTP(w, r)
+		proxy.Cut()
+	}))
+
+	ids := make([]string, events)
+	var deliveries []string
+	for i := range ids {
+		ids[i] = fmt.Sprintf("evt_%d", i)
+		for c := 0; c < copies; c++ {
+			deliveries = append(deliveries, ids[i])
+		}
+	}
+	seed := time.Now().UnixNano()
+	t.Logf("storm order seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	rng.Shuffle(len(deliveries), func(i, j int) { deliveries[i], deliveries[j] = deliveries[j], deliveries[i] })
+	// The trigger goes first among a third of the storm, so that the cut
+	// falls mid-storm with work before and after it.
+	for i, d := range deliveries {
+		if d == trigger {
+			deliveries[i], deliveries[len(deliveries)/3] = deliveries[len(deliveries)/3], deliveries[i]
+			break
+		}
+	}
+
+	s := newSender(t)
+	var got replies
+	var transportErrs atomic.Int64
+	queue := make(chan string)
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for id := range queue {
+				r, err := s.post(f.srv.URL, id, `{"event":"`+id+`"}`)
+				if err != nil {
+					transportErrs.Add(1)
+					continue
+				}
+				got.add(id, r)
+				if proxy.refused.Load() >= refuse {
+					proxy.Restore()
+				}
+			}
+		}()
+	}
+	for _, d := range deliveries {
+		queue <- d
+	}
+	close(queue)
+	wg.Wait()
+	require.Zero(t, transportErrs.Load(), "the HTTP side never failed")
+	require.GreaterOrEqual(t, proxy.refused.Load(), int64(refuse), "the outage turned connections away")
+	proxy.Restore() // in case the storm ended before the refusals did
+
+	statuses := map[int]int{}
+	for _, rs := range got.m {
+		for _, r := range rs {
+			statuses[r.status]++
+		}
+	}
+	t.Logf("storm answers by status: %v", statuses)
+	assert.Positive(t, statuses[http.StatusServiceUnavailable], "deliveries during the outage were answered 503")
+	for st := range statuses {
+		// 500: a ledger write that failed mid-handler, answered by the
+		// handler itself and rolled back.
+		assert.Contains(t, []int{http.StatusCreated, http.StatusConflict, http.StatusInternalServerError, http.StatusServiceUnavailable}, st)
+	}
+
+	// Replay: every event until it is answered 2xx, at most 10 tries each.
+	for _, id := range ids {
+		for try := 0; ; try++ {
+			r, err := s.post(f.srv.URL, id, `{"event":"`+id+`"}`)
+			require.NoError(t, err)
+			got.add(id, r)
+			if r.status/100 == 2 {
+				break
+			}
+			require.Less(t, try, 10, "event %s still answered %d after the outage: %s", id, r.status, r.body)
+		}
+	}
+	checkExactlyOnce(t, f, ids, &got)
+}
+
+// TestSmallPoolNeverDeadlocks runs the middleware on pools of one and two
+// connections. The middleware uses only the connection of its transaction:
+// an original holding the last connection finishes without a second one,
+// so the requests queued behind it wait for it (or time out), never for
+// each other.
+func TestSmallPoolNeverDeadlocks(t *testing.T) {
+	t.Parallel()
+	for _, size := range []int{1, 2} {
+		t.Run(fmt.Sprintf("%d connections, an original in flight and requests queued behind it", size), func(t *testing.T) {
+			entered, release := make(chan struct{}), make(chan struct{})
+			pool := openPool(t, "", size)
+			var f *fixture
+			f = newFixtureOn(t, pool, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if key, _ := idem.KeyFromContext(r.Context()); key.EventID == "evt_1" && f.runs.Load() == 1 {
+					close(entered)
+					<-release
+				}
+				f.ledgerHandler().ServeHTTP(w, r)
+			}))
+
+			orig := make(chan reply)
+			go func() { orig <- f.post("evt_1", "{}") }()
+			<-entered // the original holds a connection, mid-handler
+			dup, other := make(chan reply), make(chan reply)
+			go func() { dup <- f.post("evt_1", "{}") }()
+			if size == 2 {
+				// The duplicate holds the second connection, parked on the
+				// original's lock.
+				waitForLockWaiter(t, f.db)
+			}
+			go func() { other <- f.post("evt_2", "{}") }()
+			// Every connection is taken: the new event waits in the pool
+			// (and with one connection, so does the duplicate).
+			waitForPoolWaiters(t, pool, int64(3-size))
+			close(release)
+
+			o := <-orig
+			require.Equal(t, http.StatusCreated, o.status, "the original finished on its own connection: %s", o.body)
+			d := <-dup
+			assert.Equal(t, http.StatusCreated, d.status)
+			assert.Equal(t, "true", d.header.Get("Idempotent-Replayed"))
+			assert.Equal(t, o.body, d.body)
+			assert.Equal(t, http.StatusCreated, (<-other).status)
+			assert.Equal(t, 2, f.ledgerRows())
+			assert.LessOrEqual(t, pool.Stats().MaxOpenConnections, size)
+		})
+		t.Run(fmt.Sprintf("%d connections, a storm of new events and duplicates", size), func(t *testing.T) {
+			const events, copies = 20, 3
+			pool := openPool(t, "", size)
+			f := newFixtureOn(t, pool, idem.Options{}, nil)
+			s := newSender(t)
+			var got replies
+			var wg sync.WaitGroup
+			for i := 0; i < events; i++ {
+				for c := 0; c < copies; c++ {
+					wg.Add(1)
+					go func(id string) {
+						defer wg.Done()
+						r, err := s.post(f.srv.URL, id, "{}")
+						if assert.NoError(t, err) {
+							got.add(id, r)
+						}
+					}(fmt.Sprintf("evt_%d", i))
+				}
+			}
+			wg.Wait()
+			ids := make([]string, events)
+			for i := range ids {
+				ids[i] = fmt.Sprintf("evt_%d", i)
+				for _, r := range got.m[ids[i]] {
+					// Wait (2xx), or, past LockWait or HandlerTimeout, 409/503.
+					assert.Contains(t, []int{http.StatusCreated, http.StatusConflict, http.StatusServiceUnavailable}, r.status, "%s", r.body)
+				}
+				for try := 0; !has2xx(got.m[ids[i]]); try++ {
+					require.Less(t, try, 10, "event %s never answered 2xx", ids[i])
+					r, err := s.post(f.srv.URL, ids[i], "{}")
+					require.NoError(t, err)
+					got.add(ids[i], r)
+				}
+			}
+			checkExactlyOnce(t, f, ids, &got)
+			assert.Positive(t, pool.Stats().WaitCount, "requests queued for the pool's connections")
+		})
+	}
+}
+
+func has2xx(rs []reply) bool {
+	for _, r := range rs {
+		if r.status/100 == 2 {
+			return true
+		}
+	}
+	return false
+}
+
+// waitForPoolWaiters returns when n requests in all have waited for a
+// connection of db.
+func waitForPoolWaiters(t *testing.T, db *sql.DB, n int64) {
+	t.Helper()
+	waitFor(t, "requests waiting for a pooled connection", func() bool { return db.Stats().WaitCount >= n })
+}
+
+// waitFor polls cond until it holds, failing the test after 30 seconds.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// TestTimeoutsMidTransactionRollBack fires a statement_timeout and the
+// middleware's HandlerTimeout while the handler's transaction has written:
+// the client gets a 5xx, nothing is committed, the redelivery runs once.
+func TestTimeoutsMidTransactionRollBack(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		opts idem.Options
+		// slow runs the handler's slow statement; it returns the
+		// statement's error and whether the handler reports it.
+		slow    func(ctx context.Context, tx *sql.Tx) error
+		report  bool
+		want    int
+		outcome idem.Outcome
+	}{
+		{
+			name: "statement_timeout fires and the handler answers 500",
+			slow: func(ctx context.Context, tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `SET LOCAL statement_timeout = '50ms'`)
+				if err == nil {
+					_, err = tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
+				}
+				return err
+			},
+			report:  true,
+			want:    http.StatusInternalServerError,
+			outcome: idem.OutcomeRolledBack,
+		},
+		{
+			name: "statement_timeout fires and the handler ignores it: the aborted transaction cannot store 201",
+			slow: func(ctx context.Context, tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `SET LOCAL statement_timeout = '50ms'`)
+				if err == nil {
+					_, err = tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
+				}
+				return err
+			},
+			// The middleware cannot store into an aborted transaction: it
+			// reports a failed store.
+			want:    http.StatusServiceUnavailable,
+			outcome: idem.OutcomeStoreError,
+		},
+		{
+			name: "HandlerTimeout fires during a query and the handler ignores it",
+			opts: idem.Options{HandlerTimeout: 200 * time.Millisecond},
+			slow: func(ctx context.Context, tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
+				return err
+			},
+			want:    http.StatusServiceUnavailable,
+			outcome: idem.OutcomeRolledBack,
+		},
+		{
+			name: "HandlerTimeout fires during a query and the handler answers 500",
+			opts: idem.Options{HandlerTimeout: 200 * time.Millisecond},
+			slow: func(ctx context.Context, tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
+				return err
+			},
+			report:  true,
+			want:    http.StatusInternalServerError,
+			outcome: idem.OutcomeRolledBack,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var f *fixture
+			f = newFixture(t, tc.opts, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if f.runs.Load() > 1 {
+					f.ledgerHandler().ServeHTTP(w, r)
+					return
+				}
+				tx, _ := idem.Tx(r.Context())
+				_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+				assert.NoError(t, err)
+				err = tc.slow(r.Context(), tx)
+				assert.Error(t, err, "the slow statement was stopped")
+				if tc.report && err != nil {
+					http.Error(w, "timed out", http.StatusInternalServerError)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			r := f.post("evt_1", "{}")
+			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
+			assert.Equal(t, 0, f.ledgerRows(), "the write before the timeout rolled back")
+			assert.Equal(t, 0, f.keys())
+			assert.Equal(t, tc.outcome, f.observations()[0].Outcome, "%v", f.observations()[0].Err)
+
+			again := f.post("evt_1", "{}")
+			assert.Equal(t, http.StatusCreated, again.status, "the redelivery succeeds: %s", again.body)
+			assert.Equal(t, 1, f.ledgerRows())
+			assert.Equal(t, int64(2), f.runs.Load())
+		})
+	}
+}
