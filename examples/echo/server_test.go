@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/labstack/echo/v4"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/idem/examples/internal/testdb"
+	"github.com/pgidem/idem/examples/internal/webhooktest"
+)
+
+const paid = `{"type":"invoice.paid","data":{"account":"acct_1","invoice":"in_1","amount":1200}}`
+
+func newTestDB(t *testing.T) *sql.DB {
+	db := testdb.Open(t)
+	require.NoError(t, migrate(context.Background(), db))
+	_, err := db.Exec(`INSERT INTO accounts (id) VALUES ('acct_1')`)
+	require.NoError(t, err)
+	return db
+}
+
+func TestEcho(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t)
+	e, err := newServer(db)
+	require.NoError(t, err)
+	srv := httptest.NewServer(e)
+	t.Cleanup(srv.Close)
+	url := srv.URL + "/webhooks/billing"
+	balance := func() int { return webhooktest.Count(t, db, `SELECT balance FROM accounts WHERE id = 'acct_1'`) }
+
+	t.Run("the handler writes through the transaction and a duplicate is replayed", func(t *testing.T) {
+		first := webhooktest.Post(t, url, paid, "webhook-id", "msg_1")
+		require.Equal(t, http.StatusOK, first.Status, "body: %s", first.Body)
+		assert.JSONEq(t, `{"payment_id":1,"balance":1200}`, string(first.Body))
+		webhooktest.AssertReplay(t, first, webhooktest.Post(t, url, paid, "webhook-id", "msg_1"))
+		// Svix sends svix-id instead of webhook-id: the same key.
+		webhooktest.AssertReplay(t, first, webhooktest.Post(t, url, paid, "svix-id", "msg_1"))
+		assert.Equal(t, 1200, balance(), "credited once")
+		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments`))
+	})
+
+	t.Run("a returned error rolls back the handler's writes", func(t *testing.T) {
+		body := `{"type":"invoice.paid","data":{"account":"acct_404","invoice":"in_2","amount":500}}`
+		for range 2 {
+			r := webhooktest.Post(t, url, body, "webhook-id", "msg_2")
+			assert.Equal(t, http.StatusNotFound, r.Status, "body: %s", r.Body)
+			assert.JSONEq(t, `{"message":"no such account"}`, string(r.Body), "echo's own error body")
+			assert.False(t, r.Replayed(), "not stored: each redelivery runs again")
+		}
+		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments`), "the payment insert was rolled back")
+		assert.Zero(t, webhooktest.Count(t, db, `SELECT count(*) FROM webhook_idempotency WHERE event_id = 'msg_2'`))
+	})
+
+	t.Run("GET passes through without a key", func(t *testing.T) {
+		r := webhooktest.Do(t, http.MethodGet, srv.URL+"/healthz", "")
+		assert.Equal(t, http.StatusOK, r.Status)
+	})
+}
+
+// TestEchoWithoutRenderErrors shows why newServer installs renderErrors:
+// with echo.WrapMiddleware alone, a handler that returns an error leaves its
+// writes committed behind an empty 200, stored and replayed.
+func TestEchoWithoutRenderErrors(t *testing.T) {
+	t.Parallel()
+	db := newTestDB(t)
+	mw, err := newMiddleware(db)
+	require.NoError(t, err)
+	e := echo.New()
+	e.Use(echo.WrapMiddleware(mw.Handler))
+	e.POST("/webhooks/billing", invoicePaid)
+	srv := httptest.NewServer(e)
+	t.Cleanup(srv.Close)
+
+	body := `{"type":"invoice.paid","data":{"account":"acct_404","invoice":"in_2","amount":500}}`
+	r := webhooktest.Post(t, srv.URL+"/webhooks/billing", body, "webhook-id", "msg_2")
+	assert.Equal(t, http.StatusOK, r.Status, "the 404 the handler returned is lost")
+	assert.Empty(t, r.Body)
+	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments WHERE account = 'acct_404'`),
+		"and the write before the error committed")
+}
