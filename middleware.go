@@ -6,7 +6,6 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -384,7 +383,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	x := &exchange{m: m, w: w, r: r, start: time.Now()}
 	x.obs.Method = r.Method
 
-	body, err := m.readBody(r)
+	buf := getBuffer()
+	defer putBuffer(buf) // the handler must not use r.Body after it returns (net/http's rule too)
+	body, err := m.readBody(r, buf)
 	if err != nil {
 		x.fail(OutcomeRejected, problemFor(err))
 		return
@@ -431,14 +432,13 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 }
 
 // readBody reads the whole request body, bounded by MaxBodyBytes.
-func (m *Middleware) readBody(r *http.Request) ([]byte, error) {
+func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error) {
 	if r.ContentLength > m.maxBody {
 		return nil, ErrBodyTooLarge
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return []byte{}, nil
 	}
-	var buf bytes.Buffer
 	if r.ContentLength > 0 {
 		buf.Grow(int(r.ContentLength) + 1)
 	}
@@ -599,6 +599,11 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	}()
 
 	rec := newRecorder(x.w, m.maxResponse)
+	defer func() {
+		if finished {
+			rec.release()
+		}
+	}()
 	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &reqState{tx: tx, key: k}))
 	r2.Body = io.NopCloser(bytes.NewReader(body))
 	r2.ContentLength = int64(len(body))
@@ -658,8 +663,7 @@ func (m *Middleware) replayHeadersOf(h http.Header) (http.Header, []byte) {
 			keep[name] = append([]string(nil), v...)
 		}
 	}
-	b, _ := json.Marshal(keep) // cannot fail: strings only
-	return keep, b
+	return keep, appendHeaderJSON(make([]byte, 0, 64), keep, m.replayHeaders)
 }
 
 // replay answers a duplicate with the stored response. Headers set by

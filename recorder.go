@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"sync"
 )
 
 // recorder is the ResponseWriter the wrapped handler writes to. Nothing
@@ -29,8 +30,24 @@ type recorder struct {
 	under       http.ResponseWriter
 }
 
+var recorderPool = sync.Pool{New: func() any { return new(recorder) }}
+
 func newRecorder(under http.ResponseWriter, limit int) *recorder {
-	return &recorder{header: under.Header().Clone(), under: under, limit: limit}
+	rec := recorderPool.Get().(*recorder)
+	rec.header, rec.under, rec.limit = under.Header().Clone(), under, limit
+	return rec
+}
+
+// release returns the recorder to the pool once its answer has been sent
+// (and copied where it is kept); a recorder that grew large is dropped.
+func (rec *recorder) release() {
+	if rec.body.Cap() > maxPooledBuffer {
+		return
+	}
+	body := rec.body
+	body.Reset()
+	*rec = recorder{body: body}
+	recorderPool.Put(rec)
 }
 
 func (rec *recorder) Header() http.Header { return rec.header }
@@ -101,4 +118,21 @@ func (rec *recorder) finalStatus() int {
 		return http.StatusOK
 	}
 	return rec.status
+}
+
+// maxPooledBuffer is the largest buffer kept for reuse: request bodies and
+// answers of webhooks are mostly small, and a pool of large buffers would
+// hold memory that a burst of big requests once needed.
+const maxPooledBuffer = 64 << 10
+
+var bufferPool = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+func getBuffer() *bytes.Buffer { return bufferPool.Get().(*bytes.Buffer) }
+
+func putBuffer(b *bytes.Buffer) {
+	if b.Cap() > maxPooledBuffer {
+		return
+	}
+	b.Reset()
+	bufferPool.Put(b)
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	_ "embed" // schema.sql
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -215,8 +214,8 @@ func scanClaim(row *sql.Row) (claimRow, error) {
 	if c.completed {
 		c.stored.status = int(status.Int32)
 		if len(headers) > 0 {
-			if err := json.Unmarshal(headers, &c.stored.header); err != nil {
-				return c, fmt.Errorf("idem: stored headers: %w", err)
+			if c.stored.header, err = parseHeaderJSON(headers); err != nil {
+				return c, err
 			}
 		}
 		if c.stored.body == nil {
