@@ -1,0 +1,86 @@
+package idem
+
+import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// The README names the API; this test keeps it true to the code: every
+// idem.Name it mentions and every Options field in its configuration table
+// must exist, and every exported Options field must be in that table.
+func TestREADMEMatchesTheAPI(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exported, fields := exportedAPI(t)
+
+	for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(readme), -1) {
+		if !exported[m[1]] {
+			t.Errorf("README mentions idem.%s, which the package does not export", m[1])
+		}
+	}
+	section := string(readme)
+	if i := strings.Index(section, "## Configuration"); i >= 0 {
+		section = section[i:]
+		if j := strings.Index(section[3:], "\n## "); j >= 0 {
+			section = section[:j+3]
+		}
+	} else {
+		t.Fatal("README has no Configuration section")
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `(\\w+)` \\|").FindAllStringSubmatch(section, -1) {
+		documented[m[1]] = true
+		if !fields[m[1]] {
+			t.Errorf("README's configuration table has %s, which Options lacks", m[1])
+		}
+	}
+	for f := range fields {
+		if !documented[f] {
+			t.Errorf("Options.%s is missing from README's configuration table", f)
+		}
+	}
+}
+
+// exportedAPI parses the package's non-test files: its exported names, and
+// the fields of Options.
+func exportedAPI(t *testing.T) (names, optionFields map[string]bool) {
+	t.Helper()
+	names, optionFields = map[string]bool{}, map[string]bool{}
+	files, _ := filepath.Glob("*.go")
+	fset := token.NewFileSet()
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, obj := range f.Scope.Objects {
+			if ast.IsExported(obj.Name) {
+				names[obj.Name] = true
+			}
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			ts, ok := n.(*ast.TypeSpec)
+			if !ok || ts.Name.Name != "Options" {
+				return true
+			}
+			for _, fld := range ts.Type.(*ast.StructType).Fields.List {
+				for _, id := range fld.Names {
+					optionFields[id.Name] = true
+				}
+			}
+			return false
+		})
+	}
+	return names, optionFields
+}
