@@ -1,0 +1,257 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+type machineInfo struct {
+	CPU        string `json:"cpu"`
+	CPUs       int    `json:"cpus"`
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	GOOS       string `json:"goos"`
+	GOARCH     string `json:"goarch"`
+	Go         string `json:"go"`
+	PostgreSQL string `json:"postgresql"`
+}
+
+type report struct {
+	Machine  machineInfo `json:"machine"`
+	Config   config      `json:"config"`
+	Peer     bool        `json:"peer"`
+	PeerNote string      `json:"peer_note,omitempty"`
+	Mixes    []mixReport `json:"mixes"`
+	Targets  []target    `json:"targets"`
+	Checks   []check     `json:"checks"`
+	OK       bool        `json:"ok"` // every answer right, every check passed
+}
+
+type mixReport struct {
+	Name      string             `json:"name"`
+	DupShare  float64            `json:"duplicate_share"`
+	Receivers []receiverReport   `json:"receivers"`
+	Ratios    map[string]float64 `json:"ratios"` // throughput ratios: "idem/inline", ...
+}
+
+type receiverReport struct {
+	Name         string  `json:"name"`
+	Requests     int64   `json:"requests"`
+	Errors       int64   `json:"errors"`
+	FirstError   string  `json:"first_error,omitempty"`
+	Throughput   float64 `json:"throughput_rps"`
+	MeanMs       float64 `json:"mean_ms"`
+	P50Ms        float64 `json:"p50_ms"`
+	P99Ms        float64 `json:"p99_ms"`
+	P999Ms       float64 `json:"p999_ms"`
+	AllocBytes   float64 `json:"process_alloc_bytes_per_request"`
+	AllocObjects float64 `json:"process_allocs_per_request"`
+	New          Stmts   `json:"new"`
+	Dup          Stmts   `json:"dup"`
+}
+
+type target struct {
+	What  string  `json:"what"`
+	Value float64 `json:"value"`
+	Want  string  `json:"want"`
+	Met   bool    `json:"met"`
+}
+
+type check struct {
+	Receiver string `json:"receiver"`
+	OK       bool   `json:"ok"`
+	What     string `json:"what"`
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func (r *report) addMix(m mix, rcs []*receiver) {
+	mr := mixReport{Name: m.name, DupShare: m.dupShare, Ratios: map[string]float64{}}
+	tp := map[string]float64{}
+	for _, rc := range rcs {
+		res := rc.res
+		slices.Sort(res.lat)
+		var sum time.Duration
+		for _, l := range res.lat {
+			sum += l
+		}
+		rr := receiverReport{Name: rc.name, Requests: res.requests, Errors: res.errors, FirstError: res.firstErr,
+			New: res.bucket.paths[pathNew].snapshot(), Dup: res.bucket.paths[pathDup].snapshot()}
+		if res.elapsed > 0 {
+			rr.Throughput = float64(res.requests) / res.elapsed.Seconds()
+		}
+		if n := len(res.lat); n > 0 {
+			rr.MeanMs = ms(sum / time.Duration(n))
+			rr.P50Ms, rr.P99Ms, rr.P999Ms = ms(percentile(res.lat, 0.5)), ms(percentile(res.lat, 0.99)), ms(percentile(res.lat, 0.999))
+		}
+		if res.requests > 0 {
+			rr.AllocBytes = float64(res.allocBytes) / float64(res.requests)
+			rr.AllocObjects = float64(res.allocObjs) / float64(res.requests)
+		}
+		tp[rc.name] = rr.Throughput
+		mr.Receivers = append(mr.Receivers, rr)
+		rc.res = nil
+	}
+	if idem, ok := tp[kindIdem]; ok {
+		for _, other := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			if v, ok := tp[other]; ok && v > 0 {
+				mr.Ratios["idem/"+other] = idem / v
+			}
+		}
+	}
+	r.Mixes = append(r.Mixes, mr)
+}
+
+func (r *report) find(mixName, rcv string) (receiverReport, bool) {
+	for _, m := range r.Mixes {
+		if m.Name != mixName {
+			continue
+		}
+		for _, rr := range m.Receivers {
+			if rr.Name == rcv {
+				return rr, true
+			}
+		}
+	}
+	return receiverReport{}, false
+}
+
+// evaluate states issue 5's targets against this run, and whether the run
+// was right.
+func (r *report) evaluate() {
+	r.OK = true
+	for _, m := range r.Mixes {
+		for _, rr := range m.Receivers {
+			if rr.Errors > 0 || rr.Requests == 0 {
+				r.OK = false
+			}
+		}
+	}
+	for _, c := range r.Checks {
+		r.OK = r.OK && c.OK
+	}
+	ratio := func(what, want string, min float64, a, b receiverReport, okA, okB bool) {
+		if okA && okB && b.Throughput > 0 {
+			v := a.Throughput / b.Throughput
+			r.Targets = append(r.Targets, target{What: what, Value: v, Want: want, Met: v >= min})
+		}
+	}
+	idemNew, okIN := r.find("new", kindIdem)
+	idemDup, okID := r.find("dup", kindIdem)
+	inlNew, okLN := r.find("new", kindInline)
+	inlDup, okLD := r.find("dup", kindInline)
+	peerNew, okPN := r.find("new", kindPeer)
+	peerDup, okPD := r.find("dup", kindPeer)
+	ratio("idem new / inline new", ">= 0.95", 0.95, idemNew, inlNew, okIN, okLN)
+	ratio("idem new / peer new (aim)", ">= 1.00", 1, idemNew, peerNew, okIN, okPN)
+	ratio("idem dup / idem new", ">= 1.50", 1.5, idemDup, idemNew, okID, okIN)
+	ratio("idem dup / inline dup", ">= 1.20", 1.2, idemDup, inlDup, okID, okLD)
+	ratio("idem dup / peer dup", ">= 1.00", 1, idemDup, peerDup, okID, okPD)
+	if okIN {
+		v := idemNew.New.Added
+		r.Targets = append(r.Targets, target{What: "idem round trips added, new event", Value: v, Want: "<= 4", Met: v <= 4})
+	}
+	if okID {
+		v := idemDup.Dup.Added
+		r.Targets = append(r.Targets, target{What: "idem round trips added, completed duplicate", Value: v, Want: "<= 3", Met: v <= 3})
+	}
+}
+
+func (r *report) writeJSON(w io.Writer) {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(r)
+}
+
+func (r *report) writeText(w io.Writer) {
+	c := r.Config
+	fmt.Fprintf(w, "idemload: %s, %d CPUs (GOMAXPROCS %d), %s %s/%s, PostgreSQL %s\n",
+		r.Machine.CPU, r.Machine.CPUs, r.Machine.GOMAXPROCS, r.Machine.Go, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.PostgreSQL)
+	fmt.Fprintf(w, "load: %d senders, pool %d per receiver, body %d B, %d completed keys per receiver%s; %v per receiver per mix in %d interleaved rounds (+%v warm-up)\n",
+		c.Concurrency, c.Pool, c.BodySize, c.Keys, map[bool]string{true: " (cold: completed by another instance)", false: ""}[c.Cold],
+		c.Duration, c.Rounds, c.Warmup)
+	fmt.Fprintf(w, "receivers: %s\n", strings.Join(c.Receivers, ", "))
+	for _, m := range r.Mixes {
+		fmt.Fprintf(w, "\nmix %s (duplicates of completed keys: %g%%)\n", m.Name, m.DupShare*100)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "receiver\treq/s\tp50 ms\tp99 ms\tp99.9 ms\trequests\terrors\tallocs/req\tKB/req\tstmts new\tstmts dup\t")
+		for _, rr := range m.Receivers {
+			fmt.Fprintf(tw, "%s\t%.0f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%.0f\t%.1f\t%s\t%s\t\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
+				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, stmtsCell(rr.New), stmtsCell(rr.Dup))
+		}
+		_ = tw.Flush()
+		if len(m.Ratios) > 0 {
+			var parts []string
+			for _, k := range []string{"idem/inline", "idem/bare", "idem/peer", "idem/http-floor", "idem/fiber-floor"} {
+				if v, ok := m.Ratios[k]; ok {
+					parts = append(parts, fmt.Sprintf("%s %.2f", k, v))
+				}
+			}
+			fmt.Fprintf(w, "throughput ratios: %s\n", strings.Join(parts, ", "))
+		}
+		for _, rr := range m.Receivers {
+			if rr.FirstError != "" {
+				fmt.Fprintf(w, "  %s: first error: %s\n", rr.Name, rr.FirstError)
+			}
+		}
+	}
+	fmt.Fprintln(w, "\nstmts: round trips to PostgreSQL per request, total = business (the ledger INSERT) + added")
+	fmt.Fprintln(w, "  [B begin, Q query, E exec, C commit, R rollback; +r Redis commands]; allocs and KB are the")
+	fmt.Fprintln(w, "  whole process's (sender + receiver) per request.")
+	if len(r.Targets) > 0 {
+		fmt.Fprintln(w, "\ntargets (issue 5), from this run:")
+		for _, t := range r.Targets {
+			met := "met"
+			if !t.Met {
+				met = "NOT met"
+			}
+			fmt.Fprintf(w, "  %-45s %6.2f  want %s  %s\n", t.What, t.Value, t.Want, met)
+		}
+	}
+	fmt.Fprintln(w, "\nexactly once:")
+	for _, ch := range r.Checks {
+		ok := "ok"
+		if !ch.OK {
+			ok = "FAILED"
+		}
+		fmt.Fprintf(w, "  %-12s %s: %s\n", ch.Receiver, ok, ch.What)
+	}
+	if r.PeerNote != "" {
+		fmt.Fprintf(w, "\npeer: %s\n", r.PeerNote)
+	}
+	if !r.OK {
+		fmt.Fprintln(w, "\nFAILED: some answers were wrong or a check failed (see above)")
+	}
+}
+
+// stmtsCell renders one path's statements: "5=1+4 [B1 Q2 E1 C1]".
+func stmtsCell(s Stmts) string {
+	if s.Requests == 0 {
+		return "-"
+	}
+	var parts []string
+	for _, p := range []struct {
+		l string
+		v float64
+	}{{"B", s.Begin}, {"Q", s.Query}, {"E", s.Exec}, {"C", s.Commit}, {"R", s.Rollback}} {
+		if p.v > 0 {
+			parts = append(parts, p.l+num(p.v))
+		}
+	}
+	cell := num(s.Total) + "=" + num(s.Business) + "+" + num(s.Added) + " [" + strings.Join(parts, " ") + "]"
+	if s.Redis > 0 {
+		cell += " +r" + num(s.Redis)
+	}
+	return cell
+}
+
+func num(v float64) string {
+	if v == float64(int64(v)) {
+		return fmt.Sprintf("%d", int64(v))
+	}
+	return fmt.Sprintf("%.2f", v)
+}
