@@ -52,23 +52,14 @@ var gateSeq atomic.Int64
 // the advisory lock key (a small positive number: classid 0, objid key).
 func waitForGateWaiter(t *testing.T, db *sql.DB, key int64) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	for {
+	waitFor(t, fmt.Sprintf("a session waiting for gate %d", key), func() bool {
 		var n int
-		err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks
+		err := db.QueryRow(`SELECT count(*) FROM pg_locks
 			WHERE locktype = 'advisory' AND NOT granted AND classid = 0 AND objid = $1 AND objsubid = 1
 			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`, key).Scan(&n)
-		require.NoError(t, err, "nobody started waiting for gate %d", key)
-		if n > 0 {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("nobody started waiting for gate %d", key)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
+		require.NoError(t, err)
+		return n > 0
+	})
 }
 
 // auditDeletes installs a statement-level trigger that records, for every
