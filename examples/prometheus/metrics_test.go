@@ -15,9 +15,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/idem"
-	idemprom "github.com/pgidem/idem/examples/prometheus"
 	"github.com/pgidem/idem/examples/internal/testdb"
 	"github.com/pgidem/idem/examples/internal/webhooktest"
+	idemprom "github.com/pgidem/idem/examples/prometheus"
 )
 
 func TestMetricsCountRealRequests(t *testing.T) {
