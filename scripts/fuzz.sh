@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Time-bounded fuzzing of every Fuzz target in the root module: the parsers
+# of untrusted input (key headers, JSON field paths, the Idempotency-Key
+# sf-string), the recorder, and any target added later. One `go test` per
+# target, each for FUZZTIME (default 10s). A failing input is written under
+# the package's testdata/fuzz/<Target>/: commit it, and it becomes a seed
+# that every plain `go test` runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fuzztime=${FUZZTIME:-10s}
+
+ran=0
+for pkg in $(go list ./...); do
+  targets=$(go test -list '^Fuzz' "$pkg" | grep -E '^Fuzz' || true)
+  for target in $targets; do
+    echo "== fuzz $pkg $target ($fuzztime)"
+    go test -run '^$' -fuzz "^${target}\$" -fuzztime "$fuzztime" "$pkg"
+    ran=$((ran + 1))
+  done
+done
+if [ "$ran" -eq 0 ]; then
+  echo "fuzz.sh: no Fuzz targets found" >&2
+  exit 1
+fi
+echo "== fuzzed $ran targets for $fuzztime each"
