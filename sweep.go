@@ -127,7 +127,7 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 	case s.retention < 0:
 		return nil, fmt.Errorf("idem: sweep: retention %v is negative", s.retention)
 	case s.retention < MinSafeRetention && !opts.UnsafeShortRetention:
-		return nil, fmt.Errorf("%w: %v is under %v, and a key deleted while its sender still retries lets that retry run the handler twice (Stripe and Paddle retry for 3 days); set SweepOptions.UnsafeShortRetention only if every sender stops retrying sooner",
+		return nil, fmt.Errorf("%w: %v is under %v, and a key deleted while its sender still retries lets that retry run the handler twice (Stripe and Paddle retry for 3 days); accept that risk with SweepOptions.UnsafeShortRetention (idem sweep -unsafe-short-retention) only if every sender stops retrying sooner",
 			ErrUnsafeRetention, s.retention, MinSafeRetention)
 	}
 	switch {

@@ -1,0 +1,328 @@
+// Command idem operates an idem idempotency table, from a shell, a cron job
+// or a Kubernetes CronJob:
+//
+//	idem migrate                         create or update the table
+//	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
+//	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
+//	idem stats                           keys by source, completed and in flight
+//
+// Every command takes -database-url (default: $DATABASE_URL) and -table
+// (default: webhook_idempotency); idem <command> -h lists its flags.
+//
+// Exit codes: 0 success (check: healthy); 1 check found warnings; 2 check
+// found critical problems; 3 the command failed (bad usage, database
+// unreachable, SQL error), with a one-line error on stderr.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
+	"github.com/pgidem/idem"
+)
+
+// Exit codes.
+const (
+	exitOK       = 0
+	exitWarning  = 1 // check: warnings
+	exitCritical = 2 // check: critical findings
+	exitFailed   = 3 // the command could not do its job
+)
+
+const usage = `idem operates an idem idempotency table (https://github.com/pgidem/idem).
+
+Usage: idem <command> [flags]
+
+Commands:
+  migrate   create the table and its index if missing (safe to run again)
+  sweep     delete expired keys in bounded batches: one run, then exit
+  check     report the table's health; the exit code says how bad
+  stats     count keys by source, completed and in flight
+
+Every command takes -database-url (default: $DATABASE_URL) and -table
+(default: webhook_idempotency). Run idem <command> -h for its flags.
+
+Exit codes:
+  0  success; for check: healthy
+  1  check found warnings
+  2  check found critical problems
+  3  the command failed: bad usage, database unreachable, SQL error
+     (a one-line error on stderr)
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// command is one subcommand: its flags and what it does with them.
+type command struct {
+	name, summary string
+	flags         func(fs *flag.FlagSet) func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error)
+}
+
+var commands = []command{
+	{"migrate", "create the table and its index if missing (safe to run again)", migrateFlags},
+	{"sweep", "delete keys older than -retention in bounded batches, one run", sweepFlags},
+	{"check", "report the table's health; exit 0 healthy, 1 warning, 2 critical", checkFlags},
+	{"stats", "count keys by source, completed and in flight", statsFlags},
+}
+
+// run runs the command line args and returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprintln(stderr, "idem: missing command (migrate, sweep, check or stats); see idem -h")
+		return exitFailed
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	}
+	var cmd *command
+	for i := range commands {
+		if commands[i].name == args[0] {
+			cmd = &commands[i]
+		}
+	}
+	if cmd == nil {
+		fmt.Fprintf(stderr, "idem: unknown command %q (migrate, sweep, check or stats); see idem -h\n", args[0])
+		return exitFailed
+	}
+	fail := func(err error) int {
+		fmt.Fprintf(stderr, "idem %s: %s\n", cmd.name, oneLine(err))
+		return exitFailed
+	}
+
+	fs := flag.NewFlagSet("idem "+cmd.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors are reported in one line below
+	dbURL := fs.String("database-url", "", "PostgreSQL URL, as pgx takes it (default: $DATABASE_URL)")
+	table := fs.String("table", idem.DefaultTable, `the idempotency table, "name" or "schema.name"`)
+	exec := cmd.flags(fs)
+	fs.Usage = func() {} // Parse calls it on errors too; -h is handled below
+	switch err := fs.Parse(args[1:]); {
+	case errors.Is(err, flag.ErrHelp):
+		fmt.Fprintf(stdout, "Usage: idem %s [flags]\n\n%s.\n\nFlags:\n", cmd.name, capitalize(cmd.summary))
+		fs.SetOutput(stdout)
+		fs.PrintDefaults()
+		fmt.Fprint(stdout, "\nExit codes: 0 success (check: healthy), 1 check: warnings, 2 check: critical, 3 failed.\n")
+		return exitOK
+	case err != nil:
+		return fail(fmt.Errorf("%w (see idem %s -h)", err, cmd.name))
+	case fs.NArg() > 0:
+		return fail(fmt.Errorf("unexpected argument %q (see idem %s -h)", fs.Arg(0), cmd.name))
+	}
+	if *dbURL == "" {
+		*dbURL = os.Getenv("DATABASE_URL")
+	}
+	if *dbURL == "" {
+		return fail(errors.New("no database: set -database-url or DATABASE_URL"))
+	}
+	db, err := sql.Open("pgx", *dbURL)
+	if err != nil {
+		return fail(err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(2)
+	if err := db.PingContext(ctx); err != nil {
+		return fail(fmt.Errorf("connect: %w", err))
+	}
+	code, err := exec(ctx, db, *table, stdout)
+	if err != nil {
+		return fail(err)
+	}
+	return code
+}
+
+func migrateFlags(*flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+		if err := idem.Migrate(ctx, db, table); err != nil {
+			return 0, err
+		}
+		fmt.Fprintf(stdout, "table %q is up to date\n", table)
+		return exitOK, nil
+	}
+}
+
+func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+	retention := fs.Duration("retention", idem.DefaultRetention, "delete keys claimed longer ago than this; at least 72h unless -unsafe-short-retention")
+	unsafe := fs.Bool("unsafe-short-retention", false, "accept a retention under 72h: a key deleted while its sender still retries runs the handler twice")
+	batch := fs.Int("batch", idem.DefaultSweepBatch, "the most keys one transaction deletes")
+	maxBatches := fs.Int("max-batches", idem.DefaultSweepMaxBatches, "the most batches of this run")
+	pause := fs.Duration("pause", idem.DefaultSweepPause, "the pause between batches (0: none)")
+	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+		opts := idem.SweepOptions{
+			Table: table, Retention: *retention, UnsafeShortRetention: *unsafe,
+			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause,
+		}
+		switch {
+		case *retention == 0:
+			return 0, errors.New("-retention must be positive")
+		case *batch == 0, *maxBatches == 0:
+			return 0, errors.New("-batch and -max-batches must be positive")
+		case *pause == 0:
+			opts.Pause = -1 // none; 0 would mean the library's default
+		}
+		res, err := idem.Sweep(ctx, db, opts)
+		line := fmt.Sprintf("removed %d expired keys from %q in %d %s (retention %v, %v)",
+			res.Removed, table, res.Batches, plural(res.Batches, "batch", "batches"), *retention, res.Duration.Round(time.Millisecond))
+		if res.Capped {
+			line += fmt.Sprintf("; stopped at -max-batches %d: expired keys remain, run again or raise -batch or -max-batches", *maxBatches)
+		}
+		if err != nil {
+			if res.Batches > 0 {
+				fmt.Fprintln(stdout, line)
+			}
+			return 0, err
+		}
+		fmt.Fprintln(stdout, line)
+		return exitOK, nil
+	}
+}
+
+func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+	horizon := fs.Duration("horizon", idem.DefaultHorizon, "the longest retry horizon of the table's senders: keys must live longer")
+	retention := fs.Duration("retention", idem.DefaultRetention, "the sweeper's -retention")
+	stuck := fs.Duration("stuck-after", idem.DefaultStuckAfter, "report claims in flight for longer than this")
+	grace := fs.Duration("overdue-grace", idem.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
+	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+		for name, d := range map[string]time.Duration{"-horizon": *horizon, "-retention": *retention, "-stuck-after": *stuck, "-overdue-grace": *grace} {
+			if d <= 0 {
+				return 0, fmt.Errorf("%s must be positive", name)
+			}
+		}
+		r, err := idem.Check(ctx, db, idem.CheckOptions{
+			Table: table, Horizon: *horizon, Retention: *retention, StuckAfter: *stuck, OverdueGrace: *grace,
+		})
+		if err != nil {
+			return 0, err
+		}
+		printReport(stdout, r)
+		switch r.Severity() {
+		case idem.SeverityOK:
+			return exitOK, nil
+		case idem.SeverityWarning:
+			return exitWarning, nil
+		}
+		return exitCritical, nil
+	}
+}
+
+func printReport(w io.Writer, r *idem.Report) {
+	fmt.Fprintf(w, "status: %s\n", r.Severity())
+	fmt.Fprintf(w, "table: %s (%s)\n", r.Table, size(r.TableBytes))
+	fmt.Fprintf(w, "keys: %d\n", r.Rows)
+	if r.Rows > 0 {
+		fmt.Fprintf(w, "oldest key: %s (%s old; horizon %s, retention %s)\n",
+			r.OldestKey.UTC().Format(time.RFC3339), age(r.OldestAge), age(r.Horizon), age(r.Retention))
+	}
+	fmt.Fprintf(w, "overdue keys: %d (older than the retention plus %v)\n", r.OverdueRows, r.OverdueGrace)
+	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
+	fmt.Fprintf(w, "claims in flight: %d (stuck: %d, in flight for longer than %v)\n", r.InFlight, len(r.Stuck), r.StuckAfter)
+	for _, f := range r.Findings {
+		fmt.Fprintf(w, "\n%s %s: %s\n  what to do: %s\n", strings.ToUpper(f.Severity.String()), f.Check, f.What, f.Action)
+		switch f.Check {
+		case "stuck_claims":
+			for _, c := range r.Stuck {
+				fmt.Fprintf(w, "  pid %d: in flight %v, %s, application %q, client %q, last query %q\n",
+					c.PID, c.Age.Round(time.Second), c.State, c.Application, c.Client, c.Query)
+			}
+		case "unanswered_keys":
+			for _, k := range r.UnansweredKeys {
+				fmt.Fprintf(w, "  source %q event_id %q, claimed %s\n", k.Key.Source, k.Key.EventID, k.ClaimedAt.UTC().Format(time.RFC3339))
+			}
+		}
+	}
+}
+
+func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+	sources := fs.Int("sources", 100, "list at most this many sources, the busiest first")
+	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+		if *sources <= 0 {
+			return 0, errors.New("-sources must be positive")
+		}
+		s, err := idem.Stats(ctx, db, idem.StatsOptions{Table: table, MaxSources: *sources})
+		if err != nil {
+			return 0, err
+		}
+		fmt.Fprintf(stdout, "table: %s (%s)\n", s.Table, size(s.TableBytes))
+		fmt.Fprintf(stdout, "keys: %d (completed %d, without an answer %d)\n", s.Rows, s.Completed, s.Unanswered)
+		fmt.Fprintf(stdout, "claims in flight: %d\n", s.InFlight)
+		if s.Rows > 0 {
+			fmt.Fprintf(stdout, "oldest key: %s\nnewest key: %s\n", stamp(s.Oldest), stamp(s.Newest))
+		}
+		if len(s.Sources) == 0 {
+			return exitOK, nil
+		}
+		fmt.Fprintln(stdout)
+		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "SOURCE\tCOMPLETED\tWITHOUT ANSWER\tOLDEST\tNEWEST")
+		for _, src := range s.Sources {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", src.Source, src.Completed, src.Unanswered, stamp(src.Oldest), stamp(src.Newest))
+		}
+		_ = tw.Flush()
+		if s.OtherSources > 0 {
+			fmt.Fprintf(stdout, "(and %d more sources; see -sources)\n", s.OtherSources)
+		}
+		return exitOK, nil
+	}
+}
+
+// oneLine renders an error on one line, without the library's "idem: "
+// prefix (the command's own prefix says it).
+func oneLine(err error) string {
+	s := strings.TrimPrefix(err.Error(), "idem: ")
+	return strings.Join(strings.Fields(s), " ")
+}
+
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return one
+	}
+	return many
+}
+
+func capitalize(s string) string {
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }
+
+// age renders a duration in days and hours from two days up.
+func age(d time.Duration) string {
+	if d < 48*time.Hour {
+		return d.Round(time.Second).String()
+	}
+	days := d / (24 * time.Hour)
+	return fmt.Sprintf("%dd%dh", days, (d-days*24*time.Hour)/time.Hour)
+}
+
+// size renders a number of bytes in binary units.
+func size(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit && exp < 4; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTP"[exp])
+}

@@ -1,0 +1,332 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+// The CLI is tested as its users run it: the binary is built once into a
+// temporary directory and run against a PostgreSQL database of this test
+// binary's own (created here, dropped at the end), one table per test.
+// Without PostgreSQL the tests fail; they never skip.
+
+const defaultAdminURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+var (
+	testURL  string // the test database, set by TestMain
+	testDB   *sql.DB
+	tableSeq atomic.Int64
+)
+
+func adminURL() string {
+	if u := os.Getenv("DATABASE_URL"); u != "" {
+		return u
+	}
+	return defaultAdminURL
+}
+
+func TestMain(m *testing.M) {
+	name, err := createDatabase()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "idem cmd tests: PostgreSQL is required (set DATABASE_URL):", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	testDB.Close()
+	if err := adminExec("DROP DATABASE IF EXISTS " + name + " WITH (FORCE)"); err != nil {
+		fmt.Fprintln(os.Stderr, "idem cmd tests: drop test database:", err)
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "idem cmd tests: leaked goroutines:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func adminExec(stmt string) error {
+	admin, err := sql.Open("pgx", adminURL())
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	_, err = admin.Exec(stmt)
+	return err
+}
+
+func createDatabase() (string, error) {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "idem_cmd_test_" + hex.EncodeToString(b[:])
+	if err := adminExec("CREATE DATABASE " + name); err != nil {
+		return "", err
+	}
+	u, err := url.Parse(adminURL())
+	if err != nil {
+		return "", err
+	}
+	u.Path = "/" + name
+	testURL = u.String()
+	if testDB, err = sql.Open("pgx", testURL); err != nil {
+		return "", err
+	}
+	return name, testDB.Ping()
+}
+
+// cli runs the built binary.
+type cli struct {
+	t   *testing.T
+	bin string
+}
+
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+// run runs the binary with args and DATABASE_URL set to env.
+func (c cli) run(env string, args ...string) result {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, c.bin, args...)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+env)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
+		c.t.Fatalf("running idem %v: %v", args, err)
+	}
+	return result{cmd.ProcessState.ExitCode(), stdout.String(), stderr.String()}
+}
+
+// table returns a new table name, migrated by the binary.
+func (c cli) table() string {
+	c.t.Helper()
+	name := fmt.Sprintf("cmd_%d", tableSeq.Add(1))
+	r := c.run(testURL, "migrate", "-table", name)
+	require.Equal(c.t, 0, r.code, "migrate: %+v", r)
+	return name
+}
+
+// build compiles the command into dir.
+func build(t *testing.T, dir string) string {
+	t.Helper()
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		goTool = filepath.Join(os.Getenv("GOROOT"), "bin", "go")
+	}
+	bin := filepath.Join(dir, "idem")
+	out, err := exec.Command(goTool, "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
+}
+
+// insert commits keys of source "test": n named "<prefix><i>", claimed age
+// ago, completed unless unanswered.
+func insert(t *testing.T, table, prefix string, n int, age time.Duration, unanswered bool) {
+	t.Helper()
+	_, err := testDB.Exec(`INSERT INTO "`+table+`" (source, event_id, payload_digest, response_status, claimed_at, completed_at)
+SELECT 'test', $1 || g, '\x00', 200, now() - $2::bigint * interval '1 microsecond',
+       CASE WHEN $3 THEN NULL ELSE now() END
+FROM generate_series(1, $4::int) AS g`, prefix, age.Microseconds(), unanswered, n)
+	require.NoError(t, err)
+}
+
+func count(t *testing.T, table string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, testDB.QueryRow(`SELECT count(*) FROM "`+table+`"`).Scan(&n))
+	return n
+}
+
+// assertOneLineError checks a failure: exit code 3, nothing on stdout, one
+// line on stderr that starts with prefix and contains want.
+func assertOneLineError(t *testing.T, r result, prefix string, want ...string) {
+	t.Helper()
+	assert.Equal(t, exitFailed, r.code, "%+v", r)
+	assert.Empty(t, r.stdout)
+	assert.True(t, strings.HasPrefix(r.stderr, prefix), "stderr %q should start with %q", r.stderr, prefix)
+	assert.Equal(t, 1, strings.Count(r.stderr, "\n"), "one line: %q", r.stderr)
+	for _, w := range want {
+		assert.Contains(t, r.stderr, w)
+	}
+}
+
+const day = 24 * time.Hour
+
+func TestCLI(t *testing.T) {
+	c := cli{t: t, bin: build(t, t.TempDir())}
+
+	t.Run("-h lists the commands and the exit codes", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		r := c.run("", "-h")
+		assert.Equal(t, 0, r.code)
+		for _, w := range []string{"migrate", "sweep", "check", "stats", "-database-url", "DATABASE_URL", "Exit codes", "2  check found critical"} {
+			assert.Contains(t, r.stdout, w)
+		}
+		for _, sub := range []string{"migrate", "sweep", "check", "stats"} {
+			r := c.run("", sub, "-h")
+			assert.Equal(t, 0, r.code, sub)
+			assert.Contains(t, r.stdout, "Usage: idem "+sub, sub)
+			assert.Contains(t, r.stdout, "-database-url", sub)
+			assert.Contains(t, r.stdout, "-table", sub)
+			assert.Contains(t, r.stdout, "Exit codes", sub)
+		}
+		r = c.run("", "sweep", "-h")
+		for _, w := range []string{"-retention", "-batch", "-max-batches", "-pause", "-unsafe-short-retention", "720h0m0s", "5000"} {
+			assert.Contains(t, r.stdout, w)
+		}
+		r = c.run("", "check", "-h")
+		for _, w := range []string{"-horizon", "-retention", "-stuck-after", "72h0m0s"} {
+			assert.Contains(t, r.stdout, w)
+		}
+	})
+
+	t.Run("usage errors are one line and exit 3", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		assertOneLineError(t, c.run(testURL), "idem: missing command")
+		assertOneLineError(t, c.run(testURL, "vacuum"), `idem: unknown command "vacuum"`)
+		assertOneLineError(t, c.run(testURL, "sweep", "-nope"), "idem sweep: ", "-nope", "idem sweep -h")
+		assertOneLineError(t, c.run(testURL, "check", "extra"), "idem check: ", `unexpected argument "extra"`)
+		assertOneLineError(t, c.run(testURL, "sweep", "-batch", "0"), "idem sweep: ", "-batch")
+		assertOneLineError(t, c.run(testURL, "check", "-horizon", "0s"), "idem check: ", "-horizon must be positive")
+	})
+
+	t.Run("database problems are one line and exit 3", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		assertOneLineError(t, c.run("", "stats"), "idem stats: ", "no database", "DATABASE_URL")
+		assertOneLineError(t, c.run("", "check", "-database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=5"),
+			"idem check: connect: ")
+		assertOneLineError(t, c.run(testURL, "check", "-table", "no_such_table"), "idem check: ", "does not exist", "migrate")
+		assertOneLineError(t, c.run(testURL, "migrate", "-table", "a.b.c"), "idem migrate: ", "at most one dot")
+	})
+
+	t.Run("migrate creates the table and can run again", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		// -database-url wins over DATABASE_URL.
+		for range 2 {
+			r := c.run("postgres://nobody@127.0.0.1:1/none", "migrate", "-database-url", testURL, "-table", "cmd_migrated")
+			require.Equal(t, 0, r.code, "%+v", r)
+			assert.Equal(t, "table \"cmd_migrated\" is up to date\n", r.stdout)
+		}
+		var exists bool
+		require.NoError(t, testDB.QueryRow(`SELECT to_regclass('cmd_migrated') IS NOT NULL`).Scan(&exists))
+		assert.True(t, exists)
+	})
+
+	t.Run("sweep removes expired keys and prints how many", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := c.table()
+		insert(t, table, "old_", 25, 31*day, false)
+		insert(t, table, "new_", 5, day, false)
+
+		r := c.run(testURL, "sweep", "-table", table, "-retention", "720h", "-batch", "10", "-max-batches", "2", "-pause", "0")
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, fmt.Sprintf("removed 20 expired keys from %q in 2 batches (retention 720h0m0s", table))
+		assert.Contains(t, r.stdout, "stopped at -max-batches 2")
+		assert.Equal(t, 1, strings.Count(r.stdout, "\n"))
+		assert.Equal(t, 10, count(t, table))
+
+		r = c.run(testURL, "sweep", "-table", table, "-retention", "720h", "-batch", "10", "-pause", "0")
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "removed 5 expired keys")
+		assert.NotContains(t, r.stdout, "stopped")
+		assert.Equal(t, 5, count(t, table), "keys within the retention stay")
+	})
+
+	t.Run("sweep refuses a retention under 72h and says why", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := c.table()
+		insert(t, table, "h3_", 2, 3*time.Hour, false)
+		r := c.run(testURL, "sweep", "-table", table, "-retention", "2h")
+		assertOneLineError(t, r, "idem sweep: ", "2h0m0s is under 72h0m0s", "run the handler twice", "-unsafe-short-retention")
+		assert.Equal(t, 2, count(t, table))
+
+		r = c.run(testURL, "sweep", "-table", table, "-retention", "2h", "-unsafe-short-retention", "-pause", "0")
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "removed 2 expired keys")
+	})
+
+	t.Run("check exits 0 when healthy, 1 on warnings, 2 on critical findings", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := c.table()
+		insert(t, table, "ok_", 3, day, false)
+		r := c.run(testURL, "check", "-table", table, "-horizon", "72h")
+		require.Equal(t, exitOK, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "status: ok\n")
+		assert.Contains(t, r.stdout, "keys: 3\n")
+		assert.Empty(t, r.stderr)
+
+		insert(t, table, "overdue_", 2, 40*day, false)
+		r = c.run(testURL, "check", "-table", table)
+		require.Equal(t, exitWarning, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "status: warning\n")
+		assert.Contains(t, r.stdout, "WARNING overdue_keys: 2 key(s)")
+		assert.Contains(t, r.stdout, "what to do: ")
+		r = c.run(testURL, "check", "-table", table, "-retention", "1000h")
+		assert.Equal(t, exitOK, r.code, "with the retention the sweeper really uses: %+v", r)
+
+		insert(t, table, "lost_", 1, time.Hour, true)
+		r = c.run(testURL, "check", "-table", table)
+		require.Equal(t, exitCritical, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "status: critical\n")
+		assert.Contains(t, r.stdout, "CRITICAL unanswered_keys:")
+		assert.Contains(t, r.stdout, `source "test" event_id "lost_1"`)
+		assert.Contains(t, r.stdout, "WARNING overdue_keys:", "every finding is listed")
+	})
+
+	t.Run("stats counts keys by source", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := c.table()
+		insert(t, table, "a", 3, time.Hour, false)
+		insert(t, table, "b", 1, time.Hour, true)
+		_, err := testDB.Exec(`UPDATE "` + table + `" SET source = 'github:42' WHERE event_id = 'a3'`)
+		require.NoError(t, err)
+
+		r := c.run(testURL, "stats", "-table", table)
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "keys: 4 (completed 3, without an answer 1)\n")
+		assert.Contains(t, r.stdout, "claims in flight: 0\n")
+		lines := strings.Split(r.stdout, "\n")
+		var rows []string
+		for i, l := range lines {
+			if strings.HasPrefix(l, "SOURCE") {
+				rows = lines[i+1:]
+			}
+		}
+		require.GreaterOrEqual(t, len(rows), 2, r.stdout)
+		assert.Regexp(t, `^test\s+2\s+1\s`, rows[0], "the busiest source first")
+		assert.Regexp(t, `^github:42\s+1\s+0\s`, rows[1])
+
+		r = c.run(testURL, "stats", "-table", table, "-sources", "1")
+		assert.Contains(t, r.stdout, "(and 1 more sources; see -sources)")
+	})
+}
