@@ -26,12 +26,15 @@ import (
 
 func main() {
 	addr := flag.String("addr", "127.0.0.1:8080", "address to listen on")
-	dsn := flag.String("database-url", example.DatabaseURL(), "PostgreSQL URL (default from DATABASE_URL)")
+	dsn := flag.String("database-url", "", example.DatabaseURLUsage)
 	flag.Parse()
 	log.SetFlags(0)
 	log.SetPrefix("outbox: ")
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *dsn == "" {
+		*dsn = example.DatabaseURL()
+	}
 	if err := run(ctx, *addr, *dsn); err != nil {
 		log.Print(err)
 		stop()

@@ -20,6 +20,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 )
 
@@ -31,6 +32,11 @@ const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=
 // messages.
 const StartPostgres = "start one with `docker run -d -p 5432:5432 -e POSTGRES_HOST_AUTH_METHOD=trust postgres:17` " +
 	"(or `sudo service postgresql start`), or point DATABASE_URL at yours"
+
+// DatabaseURLUsage describes a -database-url flag whose default is "",
+// resolved by DatabaseURL: the help text then never prints the value of
+// DATABASE_URL, which may hold a password.
+const DatabaseURLUsage = "PostgreSQL URL (default: $DATABASE_URL, else " + DefaultDatabaseURL + ")"
 
 // DatabaseURL returns $DATABASE_URL, or DefaultDatabaseURL when it is empty.
 func DatabaseURL() string {
@@ -55,19 +61,32 @@ func Redact(dsn string) string {
 func OpenDB(ctx context.Context, dsn string) (*sql.DB, error) {
 	db, err := sql.Open("pgx", dsn)
 	if err != nil {
-		return nil, fmt.Errorf("invalid database URL %s: %s", Redact(dsn), oneLine(err))
+		return nil, fmt.Errorf("invalid database URL %s: %s", Redact(dsn), OneLine(err))
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(ctx); err != nil {
 		_ = db.Close()
-		return nil, fmt.Errorf("cannot reach PostgreSQL at %s (%s): %s", Redact(dsn), oneLine(err), StartPostgres)
+		// The server said no (authentication, a missing database): its
+		// words. Nobody answered: the network's, and how to start one.
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			return nil, fmt.Errorf("PostgreSQL at %s refused the connection: %s (SQLSTATE %s); check DATABASE_URL",
+				Redact(dsn), pgErr.Message, pgErr.Code)
+		}
+		cause := OneLine(err)
+		var netErr *net.OpError
+		if errors.As(err, &netErr) {
+			cause = netErr.Error()
+		}
+		return nil, fmt.Errorf("cannot reach PostgreSQL at %s (%s): %s", Redact(dsn), cause, StartPostgres)
 	}
 	return db, nil
 }
 
-// oneLine flattens a driver error, which may span lines, into one.
-func oneLine(err error) string {
+// OneLine flattens an error message, which drivers may spread over lines,
+// into one line.
+func OneLine(err error) string {
 	return strings.Join(strings.Fields(err.Error()), " ")
 }
 
@@ -104,13 +123,16 @@ func Serve(ctx context.Context, addr string, h http.Handler) error {
 // as one line, with exit status 1.
 func Main(setup func(ctx context.Context, db *sql.DB) (http.Handler, error)) {
 	addr := flag.String("addr", "127.0.0.1:8080", "address to listen on")
-	dsn := flag.String("database-url", DatabaseURL(), "PostgreSQL URL (default from DATABASE_URL)")
+	dsn := flag.String("database-url", "", DatabaseURLUsage)
 	flag.Parse()
 	log.SetFlags(0)
 	log.SetPrefix(progName() + ": ")
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *dsn == "" {
+		*dsn = DatabaseURL()
+	}
 	if err := run(ctx, *addr, *dsn, setup); err != nil {
 		log.Print(err)
 		stop()
