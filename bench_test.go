@@ -6,10 +6,12 @@ package idem_test
 // testdb_test.go), with 16 concurrent senders and a pool of 8 connections:
 //
 //	BenchmarkNewEvent/impl={idem,inline,bare}
-//	BenchmarkCompletedDuplicate/impl={idem,inline}
+//	BenchmarkCompletedDuplicate/impl={idem,idem-nocache,inline}
 //	BenchmarkInFlightDuplicate/impl={idem,inline}
 //
-// "inline" is the seed's handler written by hand with no middleware: BEGIN;
+// "idem-nocache" is the middleware with its replay cache off: every
+// duplicate asks PostgreSQL, as a duplicate of a key this instance has never
+// seen does. "inline" is the seed's handler written by hand with no middleware: BEGIN;
 // INSERT ... ON CONFLICT DO NOTHING RETURNING; the ledger write; the UPDATE
 // that stores the answer; COMMIT (a duplicate: BEGIN; the INSERT; SELECT the
 // stored answer; ROLLBACK). "bare" is the ledger write in a plain
@@ -21,7 +23,7 @@ package idem_test
 // Against a no-op driver that answers every statement at once, the
 // middleware's own CPU and allocations, beside the same calls made inline:
 //
-//	BenchmarkNoopDriver/path={new,dup}/impl={idem,inline,bare}
+//	BenchmarkNoopDriver/path={new,dup}/impl={idem,idem-nocache,inline,bare}
 //
 // scripts/bench.sh runs them with -count and compares impls with benchstat.
 // The requests are served by calling ServeHTTP directly: no HTTP stack.
@@ -271,7 +273,12 @@ type benchSender struct {
 
 func newBenchSender(h http.Handler) *benchSender {
 	s := &benchSender{h: h, br: bytes.NewReader(nil), w: benchWriter{h: http.Header{}}}
-	s.r, _ = http.NewRequestWithContext(context.Background(), http.MethodPost, "http://bench/hook", nil)
+	// net/http's request contexts can be canceled, so database/sql watches
+	// them with a goroutine per transaction; a Background context would spare
+	// the inline code that cost. One context per sender, like a connection's.
+	ctx, cancel := context.WithCancel(context.Background())
+	runtime.SetFinalizer(s, func(*benchSender) { cancel() })
+	s.r, _ = http.NewRequestWithContext(ctx, http.MethodPost, "http://bench/hook", nil)
 	s.ids = []string{""}
 	s.r.Header[benchHeader] = s.ids
 	return s
@@ -419,6 +426,8 @@ func (w *benchWorld) handler(b *testing.B, impl string) http.Handler {
 	switch impl {
 	case "idem":
 		return w.middleware(b, idem.Options{}).Handler(benchIdemHandler(w.ledger))
+	case "idem-nocache":
+		return w.middleware(b, idem.Options{ReplayCacheBytes: -1}).Handler(benchIdemHandler(w.ledger))
 	case "inline":
 		return benchInlineHandler(w.db, w.table, w.ledger)
 	case "bare":
@@ -479,7 +488,7 @@ func BenchmarkNewEvent(b *testing.B) {
 // BenchmarkCompletedDuplicate: every request is a redelivery of one of
 // benchDupKeys completed keys, with the same body.
 func BenchmarkCompletedDuplicate(b *testing.B) {
-	for _, impl := range []string{"idem", "inline"} {
+	for _, impl := range []string{"idem", "idem-nocache", "inline"} {
 		b.Run("impl="+impl, func(b *testing.B) {
 			w := newBenchWorld(b)
 			h := w.handler(b, impl)
@@ -670,7 +679,7 @@ func BenchmarkNoopDriver(b *testing.B) {
 	body := benchBody(eventID)
 	digest := sha256.Sum256(body)
 	for _, path := range []string{"new", "dup"} {
-		for _, impl := range []string{"idem", "inline", "bare"} {
+		for _, impl := range []string{"idem", "idem-nocache", "inline", "bare"} {
 			if path == "dup" && impl == "bare" {
 				continue // bare has no duplicate path
 			}
@@ -681,8 +690,12 @@ func BenchmarkNoopDriver(b *testing.B) {
 				b.Cleanup(func() { db.Close() })
 				var h http.Handler
 				switch impl {
-				case "idem":
-					m, err := idem.New(db, idem.Options{KeyFunc: idem.Header(benchSource, benchHeader), Table: "ledger_keys"})
+				case "idem", "idem-nocache":
+					opts := idem.Options{KeyFunc: idem.Header(benchSource, benchHeader), Table: "ledger_keys"}
+					if impl == "idem-nocache" {
+						opts.ReplayCacheBytes = -1
+					}
+					m, err := idem.New(db, opts)
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -696,11 +709,20 @@ func BenchmarkNoopDriver(b *testing.B) {
 				if st := s.send(eventID, body); st != http.StatusCreated {
 					b.Fatalf("status %d", st)
 				}
+				// A new event needs a key never sent before (the replay cache
+				// would answer it otherwise); the body stays the same.
+				ids := make([]string, b.N)
+				for i := range ids {
+					ids[i] = eventID
+					if path == "new" {
+						ids[i] = "evt_noop_" + strconv.Itoa(i)
+					}
+				}
 				b.ReportAllocs()
 				before := c.count.n.Load()
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					s.send(eventID, body)
+					s.send(ids[i], body)
 				}
 				b.StopTimer()
 				if s.w.status != http.StatusCreated {

@@ -3,7 +3,9 @@
 //
 // It starts, on loopback, one receiver per kind (see -receivers): bare (the
 // ledger write in a plain transaction, no idempotency), inline (the seed's
-// SQL by hand), idem (the middleware), and, when Redis answers at -redis,
+// SQL by hand), idem (the middleware), idem-nocache (the middleware with its
+// replay cache off, so that every duplicate asks PostgreSQL, as one of a key
+// this instance has never seen does), and, when Redis answers at -redis,
 // the peer (Fiber's idempotency middleware with Redis storage). All do the
 // same handler work (append a ledger row, answer its id as JSON) on pools
 // of the same size under the same concurrency. Each mix (-mix) runs every
@@ -76,7 +78,7 @@ func run() int {
 		dflt = defaultDatabaseURL
 	}
 	flag.StringVar(&cfg.DatabaseURL, "database-url", dflt, "PostgreSQL admin URL; the tool creates and drops its own database there (default $DATABASE_URL or the local server)")
-	flag.StringVar(&receivers, "receivers", "bare,inline,idem,peer", "receivers to run, in order: bare, inline, idem, peer, http-floor, fiber-floor")
+	flag.StringVar(&receivers, "receivers", "bare,inline,idem,idem-nocache,peer", "receivers to run, in order: bare, inline, idem, idem-nocache, peer, http-floor, fiber-floor")
 	flag.BoolVar(&floors, "floors", false, "add http-floor and fiber-floor: the HTTP stacks with no database, the ceiling of this machine")
 	flag.BoolVar(&noPeer, "no-peer", false, "leave the peer out even when Redis answers")
 	flag.StringVar(&mixes, "mix", "new,dup", "mixes, each run in turn: new (unique keys), dup (completed duplicates only) or a duplicate share in [0,1]")
@@ -353,7 +355,7 @@ func exactlyOnce(ctx context.Context, rc *receiver) check {
 	if rows != distinct {
 		c.OK = false
 	}
-	if rc.name == kindIdem || rc.name == kindInline {
+	if hasKeyTable(rc.name) {
 		var keys int64
 		if err := rc.db.QueryRowContext(ctx, `SELECT count(*) FROM "`+rc.keys+`" WHERE completed_at IS NOT NULL`).Scan(&keys); err != nil {
 			c.OK, c.What = false, err.Error()

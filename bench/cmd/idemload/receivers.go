@@ -27,12 +27,13 @@ import (
 // and answer the row's id as JSON, status 201) on its own pool of the same
 // size, and differs only in what it does around that work.
 const (
-	kindBare       = "bare"        // the ledger write in a plain transaction: no idempotency
-	kindInline     = "inline"      // the seed's SQL by hand around the same write
-	kindIdem       = "idem"        // idem's middleware around the same write
-	kindPeer       = "peer"        // Fiber v3 middleware/idempotency with Redis storage
-	kindHTTPFloor  = "http-floor"  // net/http, no database: the HTTP stack's own ceiling
-	kindFiberFloor = "fiber-floor" // Fiber, no database: the same for the peer's stack
+	kindBare       = "bare"         // the ledger write in a plain transaction: no idempotency
+	kindInline     = "inline"       // the seed's SQL by hand around the same write
+	kindIdem       = "idem"         // idem's middleware around the same write
+	kindIdemCold   = "idem-nocache" // idem with its replay cache off: every duplicate asks PostgreSQL
+	kindPeer       = "peer"         // Fiber v3 middleware/idempotency with Redis storage
+	kindHTTPFloor  = "http-floor"   // net/http, no database: the HTTP stack's own ceiling
+	kindFiberFloor = "fiber-floor"  // Fiber, no database: the same for the peer's stack
 )
 
 const (
@@ -102,7 +103,7 @@ type env struct {
 func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*receiver, error) {
 	rc := &receiver{name: kind, prefix: e.run + kind + ":"}
 	switch kind {
-	case kindBare, kindInline, kindIdem, kindPeer:
+	case kindBare, kindInline, kindIdem, kindIdemCold, kindPeer:
 		rc.usesDB = true
 		rc.idempotent = kind != kindBare
 	}
@@ -127,9 +128,13 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		err = rc.serveHTTP(bareHandler(rc.db, rc.ledger))
 	case kindInline:
 		err = rc.serveHTTP(inlineHandler(rc.db, rc.keys, rc.ledger))
-	case kindIdem:
+	case kindIdem, kindIdemCold:
+		opts := idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys}
+		if kind == kindIdemCold {
+			opts.ReplayCacheBytes = -1
+		}
 		var m *idem.Middleware
-		m, err = idem.New(rc.db, idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys})
+		m, err = idem.New(rc.db, opts)
 		if err == nil {
 			err = rc.serveHTTP(m.Handler(idemHandler(rc.ledger)))
 		}
@@ -173,7 +178,7 @@ func (rc *receiver) createTables(ctx context.Context, kind string) error {
 		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`); err != nil {
 		return fmt.Errorf("create %s: %w", rc.ledger, err)
 	}
-	if kind == kindIdem || kind == kindInline {
+	if hasKeyTable(kind) {
 		// The inline handler uses idem's own schema, so both pay for the same
 		// table and index.
 		if err := idem.Migrate(ctx, rc.db, rc.keys); err != nil {
@@ -181,6 +186,11 @@ func (rc *receiver) createTables(ctx context.Context, kind string) error {
 		}
 	}
 	return nil
+}
+
+// hasKeyTable: the receiver keeps its keys in an idem-schema table.
+func hasKeyTable(kind string) bool {
+	return kind == kindIdem || kind == kindIdemCold || kind == kindInline
 }
 
 func (rc *receiver) close() {

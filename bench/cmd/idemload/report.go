@@ -96,10 +96,14 @@ func (r *report) addMix(m mix, rcs []*receiver) {
 		mr.Receivers = append(mr.Receivers, rr)
 		rc.res = nil
 	}
-	if idem, ok := tp[kindIdem]; ok {
+	for _, num := range []string{kindIdem, kindIdemCold} {
+		idem, ok := tp[num]
+		if !ok {
+			continue
+		}
 		for _, other := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
 			if v, ok := tp[other]; ok && v > 0 {
-				mr.Ratios["idem/"+other] = idem / v
+				mr.Ratios[num+"/"+other] = idem / v
 			}
 		}
 	}
@@ -148,9 +152,15 @@ func (r *report) evaluate() {
 	peerDup, okPD := r.find("dup", kindPeer)
 	ratio("idem new / inline new", ">= 0.95", 0.95, idemNew, inlNew, okIN, okLN)
 	ratio("idem new / peer new (aim)", ">= 1.00", 1, idemNew, peerNew, okIN, okPN)
+	coldNew, okCN := r.find("new", kindIdemCold)
+	coldDup, okCD := r.find("dup", kindIdemCold)
 	ratio("idem dup / idem new", ">= 1.50", 1.5, idemDup, idemNew, okID, okIN)
 	ratio("idem dup / inline dup", ">= 1.20", 1.2, idemDup, inlDup, okID, okLD)
 	ratio("idem dup / peer dup", ">= 1.00", 1, idemDup, peerDup, okID, okPD)
+	ratio("idem-nocache new / inline new", ">= 0.95", 0.95, coldNew, inlNew, okCN, okLN)
+	ratio("idem-nocache dup / idem-nocache new", ">= 1.50", 1.5, coldDup, coldNew, okCD, okCN)
+	ratio("idem-nocache dup / inline dup", ">= 1.20", 1.2, coldDup, inlDup, okCD, okLD)
+	ratio("idem-nocache dup / peer dup", ">= 1.00", 1, coldDup, peerDup, okCD, okPD)
 	if okIN {
 		v := idemNew.New.Added
 		r.Targets = append(r.Targets, target{What: "idem round trips added, new event", Value: v, Want: "<= 4", Met: v <= 4})
@@ -158,6 +168,10 @@ func (r *report) evaluate() {
 	if okID {
 		v := idemDup.Dup.Added
 		r.Targets = append(r.Targets, target{What: "idem round trips added, completed duplicate", Value: v, Want: "<= 3", Met: v <= 3})
+	}
+	if okCD {
+		v := coldDup.Dup.Added
+		r.Targets = append(r.Targets, target{What: "idem-nocache round trips added, completed duplicate", Value: v, Want: "<= 3", Met: v <= 3})
 	}
 }
 
@@ -184,14 +198,16 @@ func (r *report) writeText(w io.Writer) {
 				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, stmtsCell(rr.New), stmtsCell(rr.Dup))
 		}
 		_ = tw.Flush()
-		if len(m.Ratios) > 0 {
+		for _, num := range []string{kindIdem, kindIdemCold} {
 			var parts []string
-			for _, k := range []string{"idem/inline", "idem/bare", "idem/peer", "idem/http-floor", "idem/fiber-floor"} {
-				if v, ok := m.Ratios[k]; ok {
-					parts = append(parts, fmt.Sprintf("%s %.2f", k, v))
+			for _, den := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
+				if v, ok := m.Ratios[num+"/"+den]; ok {
+					parts = append(parts, fmt.Sprintf("/%s %.2f", den, v))
 				}
 			}
-			fmt.Fprintf(w, "throughput ratios: %s\n", strings.Join(parts, ", "))
+			if len(parts) > 0 {
+				fmt.Fprintf(w, "throughput %s: %s\n", num, strings.Join(parts, ", "))
+			}
 		}
 		for _, rr := range m.Receivers {
 			if rr.FirstError != "" {
