@@ -42,7 +42,7 @@ func migrate(ctx context.Context, db *sql.DB) error {
 		CREATE TABLE IF NOT EXISTS accounts (
 			id      text   PRIMARY KEY,
 			balance bigint NOT NULL DEFAULT 0);
-		CREATE TABLE IF NOT EXISTS payments (
+		CREATE TABLE IF NOT EXISTS invoice_payments (
 			id      bigserial PRIMARY KEY,
 			account text      NOT NULL,
 			invoice text      NOT NULL,

@@ -74,7 +74,7 @@ func invoicePaid(c echo.Context) error {
 		return echo.NewHTTPError(http.StatusBadRequest, "not an invoice.paid event")
 	}
 	var paymentID, balance int64
-	err := tx.QueryRowContext(ctx, `INSERT INTO payments (account, invoice, amount) VALUES ($1, $2, $3) RETURNING id`,
+	err := tx.QueryRowContext(ctx, `INSERT INTO invoice_payments (account, invoice, amount) VALUES ($1, $2, $3) RETURNING id`,
 		ev.Data.Account, ev.Data.Invoice, ev.Data.Amount).Scan(&paymentID)
 	if err != nil {
 		return echo.NewHTTPError(http.StatusServiceUnavailable, "cannot record the payment")

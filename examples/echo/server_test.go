@@ -46,7 +46,7 @@ func TestEcho(t *testing.T) {
 		// Svix sends svix-id instead of webhook-id: the same key.
 		webhooktest.AssertReplay(t, first, webhooktest.Post(t, url, paid, "svix-id", "msg_1"))
 		assert.Equal(t, 1200, balance(), "credited once")
-		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments`))
+		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM invoice_payments`))
 	})
 
 	t.Run("a returned error rolls back the handler's writes", func(t *testing.T) {
@@ -57,7 +57,7 @@ func TestEcho(t *testing.T) {
 			assert.JSONEq(t, `{"message":"no such account"}`, string(r.Body), "echo's own error body")
 			assert.False(t, r.Replayed(), "not stored: each redelivery runs again")
 		}
-		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments`), "the payment insert was rolled back")
+		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM invoice_payments`), "the payment insert was rolled back")
 		assert.Zero(t, webhooktest.Count(t, db, `SELECT count(*) FROM webhook_idempotency WHERE event_id = 'msg_2'`))
 	})
 
@@ -96,7 +96,7 @@ func TestEchoWithoutRenderErrors(t *testing.T) {
 		assert.NotEqual(t, http.StatusNotFound, res.StatusCode, "the 404 the handler returned is lost")
 		res.Body.Close()
 	}
-	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM payments WHERE account = 'acct_404'`),
+	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM invoice_payments WHERE account = 'acct_404'`),
 		"the write before the error committed")
 	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM webhook_idempotency
 		WHERE event_id = 'msg_2' AND response_status = 200 AND coalesce(length(response_body), 0) = 0`),

@@ -31,12 +31,12 @@ func main() {
 	})
 }
 
-// migrate creates the idempotency table and the payments.
+// migrate creates the idempotency table and the Stripe payments.
 func migrate(ctx context.Context, db *sql.DB) error {
 	if err := idem.Migrate(ctx, db, ""); err != nil {
 		return err
 	}
-	_, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS payments (
+	_, err := db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS stripe_payments (
 		id             bigserial   PRIMARY KEY,
 		payment_intent text        NOT NULL,
 		amount         bigint      NOT NULL,

@@ -62,7 +62,7 @@ func receive(w http.ResponseWriter, r *http.Request) {
 	pi := ev.Data.Object
 	var id int64
 	err := tx.QueryRowContext(r.Context(),
-		`INSERT INTO payments (payment_intent, amount, currency) VALUES ($1, $2, $3) RETURNING id`,
+		`INSERT INTO stripe_payments (payment_intent, amount, currency) VALUES ($1, $2, $3) RETURNING id`,
 		pi.ID, pi.Amount, pi.Currency).Scan(&id)
 	if err != nil {
 		http.Error(w, "cannot record the payment", http.StatusServiceUnavailable)

@@ -39,7 +39,7 @@ func TestStripe(t *testing.T) {
 	send := func(body, signature string) webhooktest.Reply {
 		return webhooktest.Post(t, url, body, "Content-Type", "application/json", "Stripe-Signature", signature)
 	}
-	payments := func() int { return webhooktest.Count(t, db, `SELECT count(*) FROM payments`) }
+	payments := func() int { return webhooktest.Count(t, db, `SELECT count(*) FROM stripe_payments`) }
 	claimed := func(id string) int {
 		return webhooktest.Count(t, db, `SELECT count(*) FROM webhook_idempotency WHERE source = 'stripe' AND event_id = $1`, id)
 	}
