@@ -1,0 +1,117 @@
+// Command testreceiver is a webhook receiver behind idem, for the tests
+// that run several instances of one program against one database: it writes
+// each event to a ledger table inside idem's transaction and answers with
+// the ledger row's id.
+//
+//	testreceiver -database-url URL -table T -ledger L [-addr 127.0.0.1:0]
+//
+// It prints the address it listens on as the first line of its standard
+// output, logs to standard error, and shuts down gracefully on SIGTERM or
+// SIGINT. The idempotency table is migrated at start (safe from several
+// processes at once); the ledger table must exist: ledger (id bigserial,
+// event_id text, body bytea).
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"time"
+
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/pgidem/idem"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "testreceiver:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	addr := flag.String("addr", "127.0.0.1:0", "address to listen on; the bound address is printed on stdout")
+	dbURL := flag.String("database-url", os.Getenv("DATABASE_URL"), "PostgreSQL URL")
+	table := flag.String("table", idem.DefaultTable, "idempotency table")
+	ledger := flag.String("ledger", "ledger", "ledger table the handler appends to")
+	maxConns := flag.Int("max-conns", 4, "most open database connections")
+	lockWait := flag.Duration("lock-wait", idem.DefaultLockWait, "idem LockWait")
+	flag.Parse()
+
+	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	db, err := sql.Open("pgx", *dbURL)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(*maxConns)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	if err := idem.Migrate(ctx, db, *table); err != nil {
+		return err
+	}
+	mw, err := idem.New(db, idem.Options{
+		KeyFunc:  idem.Header("test", "X-Event-Id"),
+		Table:    *table,
+		LockWait: *lockWait,
+		Logger:   logger,
+	})
+	if err != nil {
+		return err
+	}
+	insert := `INSERT INTO ` + *ledger + ` (event_id, body) VALUES ($1, $2) RETURNING id`
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idem.Tx(r.Context())
+		key, _ := idem.KeyFromContext(r.Context())
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, "read body", http.StatusInternalServerError)
+			return
+		}
+		var id int64
+		if err := tx.QueryRowContext(r.Context(), insert, key.EventID, body).Scan(&id); err != nil {
+			http.Error(w, "ledger write failed", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "{\"ledger_id\": %d, \"event\": %s}\n", id, strconv.Quote(key.EventID))
+	})
+
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{
+		Handler:           mw.Handler(handler),
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       30 * time.Second,
+	}
+	fmt.Println(ln.Addr().String())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	shutdown, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shutdown); err != nil {
+		return err
+	}
+	if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
