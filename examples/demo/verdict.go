@@ -111,14 +111,9 @@ func ledgerID(body []byte) int64 {
 // report prints the summary table and the verdict.
 func report(w io.Writer, cfg config, rc *receiver, res result, v verdict) {
 	planned := int64(cfg.events*cfg.deliveries + v.reusedSent)
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	row := func(name string, value any, note string) {
-		if note == "" {
-			fmt.Fprintf(tw, "  %s\t%v\n", name, value)
-			return
-		}
-		fmt.Fprintf(tw, "  %s\t%v\t%s\n", name, value, note)
-	}
+	var table bytes.Buffer
+	tw := tabwriter.NewWriter(&table, 0, 0, 2, ' ', 0)
+	row := func(name string, value any, note string) { fmt.Fprintf(tw, "  %s\t%v\t%s\n", name, value, note) }
 	fmt.Fprintln(w)
 	row("deliveries sent", res.sent, fmt.Sprintf("%d events × %d, %d with a reused id, %d retries", cfg.events, cfg.deliveries, v.reusedSent, res.sent-planned))
 	row("distinct events", v.events, "")
@@ -131,6 +126,9 @@ func report(w io.Writer, cfg config, rc *receiver, res result, v verdict) {
 	row("latency p50 / p99", fmt.Sprintf("%v / %v", round(percentile(res.latencies, 50)), round(percentile(res.latencies, 99))), "per request, retries included")
 	row("wall time", round(res.wall), "")
 	_ = tw.Flush()
+	for _, line := range strings.Split(strings.TrimSuffix(table.String(), "\n"), "\n") {
+		fmt.Fprintln(w, strings.TrimRight(line, " "))
+	}
 	fmt.Fprintln(w)
 
 	if v.pass() {
