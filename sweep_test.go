@@ -180,7 +180,7 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 		failures  atomic.Int64
 		delivered atomic.Int64
 	)
-	for w := range 4 {
+	for w := range 2 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
