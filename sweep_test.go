@@ -1,7 +1,6 @@
 package idem_test
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -350,27 +349,13 @@ func TestSweepStopsDuringThePauseWhenCanceled(t *testing.T) {
 	assert.Equal(t, 20, countKeys(t, db, table, "old_"))
 }
 
-// syncBuffer is a bytes.Buffer safe for a logger and a test to share.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// records decodes the JSON log records written so far.
-func (b *syncBuffer) records(t *testing.T) []map[string]any {
+// jsonRecords decodes the JSON log records a logBuffer holds.
+func jsonRecords(t *testing.T, logs *logBuffer) []map[string]any {
 	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	var out []map[string]any
-	for _, line := range bytes.Split(bytes.TrimSpace(b.buf.Bytes()), []byte("\n")) {
+	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
 		var rec map[string]any
-		require.NoError(t, json.Unmarshal(line, &rec), "%s", line)
+		require.NoError(t, json.Unmarshal([]byte(line), &rec), "%s", line)
 		out = append(out, rec)
 	}
 	return out
@@ -413,7 +398,7 @@ func TestRunSweeperSweepsEveryIntervalUntilCanceled(t *testing.T) {
 	db := idem.OpenTestDB(t)
 	table := idem.NewTestTable(t, db)
 	insertKeys(t, db, table, "first_", 7, 31*day)
-	var logs syncBuffer
+	var logs logBuffer
 	logger := slog.New(slog.NewJSONHandler(&logs, nil))
 
 	runs, stop := startSweeper(t, db, idem.SweepOptions{Table: table, Pause: -1, Logger: logger}, time.Millisecond)
@@ -433,7 +418,7 @@ func TestRunSweeperSweepsEveryIntervalUntilCanceled(t *testing.T) {
 	require.NoError(t, stop(), "a canceled sweeper returns nil")
 
 	// One structured record per run.
-	recs := logs.records(t)
+	recs := jsonRecords(t, &logs)
 	require.NotEmpty(t, recs)
 	rec := recs[0]
 	assert.Equal(t, "INFO", rec["level"])
@@ -449,7 +434,7 @@ func TestRunSweeperSweepsEveryIntervalUntilCanceled(t *testing.T) {
 func TestRunSweeperKeepsGoingAfterAFailedRun(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	var logs syncBuffer
+	var logs logBuffer
 	logger := slog.New(slog.NewJSONHandler(&logs, nil))
 
 	runs, stop := startSweeper(t, db, idem.SweepOptions{Table: "no_such_table", Logger: logger}, time.Millisecond)
@@ -459,7 +444,7 @@ func TestRunSweeperKeepsGoingAfterAFailedRun(t *testing.T) {
 		assert.Contains(t, r.err.Error(), "no_such_table")
 	}
 	require.NoError(t, stop())
-	rec := logs.records(t)[0]
+	rec := jsonRecords(t, &logs)[0]
 	assert.Equal(t, "ERROR", rec["level"])
 	assert.Equal(t, "idem: sweep failed", rec["msg"])
 	assert.Contains(t, rec["error"], "no_such_table")
