@@ -267,7 +267,7 @@ func findings(r *Report) []Finding {
 	}
 	if r.Unanswered > 0 {
 		add(SeverityCritical, "unanswered_keys",
-			fmt.Sprintf("%d key(s) were committed without an answer (the oldest: %s, claimed %s); each answers 409 to every redelivery, forever", r.Unanswered, describeKeys(r.UnansweredKeys), r.UnansweredKeys[0].ClaimedAt.UTC().Format(time.RFC3339)),
+			fmt.Sprintf("%d key(s) were committed without an answer (the oldest: %s, claimed %s); each answers 409 to every redelivery until it is resolved (or swept, once older than the retention)", r.Unanswered, describeKeys(r.UnansweredKeys), r.UnansweredKeys[0].ClaimedAt.UTC().Format(time.RFC3339)),
 			"A handler committed or rolled back the middleware's transaction itself (look for ErrTxMisuse in the logs) and must be fixed. Then, per key: if its side effect happened, store an answer (UPDATE ... SET response_status = 200, response_body = '', completed_at = now() WHERE source = ... AND event_id = ...); if not, DELETE the row so the next delivery runs the handler.")
 	}
 	if n := len(r.Stuck); n > 0 {
