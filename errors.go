@@ -40,6 +40,11 @@ var (
 	// ErrResponseTooLarge: the handler's response is over
 	// Options.MaxResponseBytes and cannot be stored; rolled back (500).
 	ErrResponseTooLarge = errors.New("idem: response too large to store")
+	// ErrWriteAfterReturn: something wrote to the handler's ResponseWriter
+	// after the handler returned, when the answer was already decided and
+	// sent. With echo, this is a handler's returned error rendered by
+	// echo.WrapMiddleware: render errors inside the wrapped chain instead.
+	ErrWriteAfterReturn = errors.New("idem: write after the handler returned; the answer was already sent")
 	// ErrHijack: the handler tried to hijack the connection, which cannot be
 	// made idempotent.
 	ErrHijack = errors.New("idem: hijacking is not supported under the idempotency middleware")

@@ -132,8 +132,10 @@ type Options struct {
 	ReplayCacheTTL time.Duration
 
 	// Observer, if set, is called once per request the middleware handles,
-	// after the answer is written, with its outcome and timings. It runs on
-	// the request's goroutine: keep it fast (count, don't block).
+	// with its outcome and timings, just before the answer is written (so a
+	// client that has its answer can rely on the observation existing; after
+	// a panic, when the handler returns). It runs on the request's
+	// goroutine: keep it fast (count, don't block).
 	Observer func(Observation)
 }
 
@@ -180,7 +182,7 @@ type Observation struct {
 	Key      Key           // zero when the request was rejected before its key was known
 	Method   string        // the request method
 	Status   int           // the status sent to the client
-	Duration time.Duration // from the middleware's start to the answer written
+	Duration time.Duration // from the middleware's start until the answer is ready to send
 	Wait     time.Duration // time spent waiting for an in-flight original
 	Cached   bool          // replayed from this instance's memory, without the database
 	Err      error         // the cause, for every outcome but completed and replayed
@@ -599,6 +601,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	}()
 
 	rec := newRecorder(x.w, m.maxResponse)
+	rec.onLate = func() { m.log(x, slog.LevelError, "write after the handler returned, ignored", ErrWriteAfterReturn) }
 	defer func() {
 		if finished {
 			rec.release()
@@ -695,10 +698,10 @@ func (x *exchange) answer(rec *recorder) {
 
 func (x *exchange) send(status int, body []byte) {
 	x.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
-	x.w.WriteHeader(status)
-	_, _ = x.w.Write(body)
 	x.obs.Status = status
 	x.observe()
+	x.w.WriteHeader(status)
+	_, _ = x.w.Write(body)
 }
 
 // fail answers with the middleware's own error.
@@ -707,7 +710,6 @@ func (x *exchange) fail(o Outcome, p *Problem) {
 	if p.retryable() {
 		x.w.Header().Set("Retry-After", x.m.retryAfter)
 	}
-	x.m.errorHandler(x.w, x.r, p)
 	x.obs.Outcome, x.obs.Status, x.obs.Err = o, p.Status, p.Err
 	level := slog.LevelInfo
 	switch o {
@@ -716,6 +718,7 @@ func (x *exchange) fail(o Outcome, p *Problem) {
 	}
 	x.m.log(x, level, p.Title, p.Err)
 	x.observe()
+	x.m.errorHandler(x.w, x.r, p)
 }
 
 func (x *exchange) observe() {

@@ -668,6 +668,11 @@ func TestHandlerReadsTheWholeBody(t *testing.T) {
 	}))
 	assert.Equal(t, http.StatusOK, f.post("evt_1", string(payload)).status)
 	assert.Equal(t, payload, got)
+	var isNull bool
+	var n int
+	require.NoError(t, f.db.QueryRow(`SELECT response_body IS NULL, coalesce(length(response_body), -1) FROM "`+f.table+`"`).Scan(&isNull, &n))
+	assert.False(t, isNull, "an empty answer is stored as empty bytes, not NULL")
+	assert.Zero(t, n)
 }
 
 func TestOuterHeadersSurviveAndSetCookieIsNeverReplayed(t *testing.T) {

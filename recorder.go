@@ -24,35 +24,45 @@ type recorder struct {
 	header      http.Header
 	status      int
 	wroteHeader bool
-	body        bytes.Buffer
+	body        *bytes.Buffer // from bufferPool; nil once released
 	limit       int
 	overflow    bool // the handler wrote more than limit bytes
 	under       http.ResponseWriter
+	released    bool   // the answer is out: the recorder is dead
+	onLate      func() // called once if the handler writes after that
 }
-
-var recorderPool = sync.Pool{New: func() any { return new(recorder) }}
 
 func newRecorder(under http.ResponseWriter, limit int) *recorder {
-	rec := recorderPool.Get().(*recorder)
-	rec.header, rec.under, rec.limit = under.Header().Clone(), under, limit
-	return rec
+	return &recorder{header: under.Header().Clone(), body: getBuffer(), under: under, limit: limit}
 }
 
-// release returns the recorder to the pool once its answer has been sent
-// (and copied where it is kept); a recorder that grew large is dropped.
+// release gives the body buffer back to the pool once the answer has been
+// sent (and copied where it is kept). The recorder itself is never reused:
+// a caller that keeps the writer after ServeHTTP returns (echo's
+// WrapMiddleware does, to render a returned error) writes into a dead
+// recorder, never into another request's answer.
 func (rec *recorder) release() {
-	if rec.body.Cap() > maxPooledBuffer {
-		return
+	putBuffer(rec.body)
+	rec.body = nil
+	rec.released = true
+}
+
+// late reports a write after release: the answer was already decided.
+func (rec *recorder) late() error {
+	if rec.onLate != nil {
+		rec.onLate()
+		rec.onLate = nil
 	}
-	body := rec.body
-	body.Reset()
-	*rec = recorder{body: body}
-	recorderPool.Put(rec)
+	return ErrWriteAfterReturn
 }
 
 func (rec *recorder) Header() http.Header { return rec.header }
 
 func (rec *recorder) WriteHeader(code int) {
+	if rec.released {
+		_ = rec.late()
+		return
+	}
 	if rec.wroteHeader {
 		return
 	}
@@ -68,6 +78,9 @@ func (rec *recorder) WriteHeader(code int) {
 }
 
 func (rec *recorder) Write(p []byte) (int, error) {
+	if rec.released {
+		return 0, rec.late()
+	}
 	if !rec.wroteHeader {
 		rec.WriteHeader(http.StatusOK)
 	}
@@ -83,6 +96,9 @@ func (rec *recorder) Write(p []byte) (int, error) {
 
 // WriteString lets io.WriteString avoid a conversion.
 func (rec *recorder) WriteString(s string) (int, error) {
+	if rec.released {
+		return 0, rec.late()
+	}
 	if !rec.wroteHeader {
 		rec.WriteHeader(http.StatusOK)
 	}

@@ -100,3 +100,20 @@ func TestRecorderCapsTheResponse(t *testing.T) {
 	assert.ErrorIs(t, err, ErrResponseTooLarge, "stays over the cap")
 	assert.Equal(t, "12345678", rec.body.String())
 }
+
+func TestRecorderIsDeadAfterRelease(t *testing.T) {
+	rec := newRecorder(httptest.NewRecorder(), 100)
+	_, _ = rec.Write([]byte("answer"))
+	lates := 0
+	rec.onLate = func() { lates++ }
+	rec.release()
+	n, err := rec.Write([]byte("late"))
+	assert.ErrorIs(t, err, ErrWriteAfterReturn)
+	assert.Zero(t, n)
+	rec.WriteHeader(http.StatusInternalServerError)
+	_, err = rec.WriteString("late")
+	assert.ErrorIs(t, err, ErrWriteAfterReturn)
+	rec.Header().Set("X-Late", "1") // harmless: nobody reads this map any more
+	assert.Equal(t, 1, lates, "reported once")
+	assert.Nil(t, rec.body, "the buffer went back to the pool, out of reach")
+}

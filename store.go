@@ -248,6 +248,9 @@ func (q *queries) doWait(ctx context.Context, tx *sql.Tx, lock int64, wait time.
 }
 
 func (q *queries) doComplete(ctx context.Context, tx *sql.Tx, k Key, status int, headers []byte, body []byte) error {
+	if body == nil {
+		body = []byte{} // an empty answer is stored as '', not NULL
+	}
 	res, err := tx.ExecContext(ctx, q.complete, k.Source, k.EventID, status, string(headers), body)
 	if err != nil {
 		return err
