@@ -24,7 +24,7 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	k := Key{Source: "acme", EventID: "evt_91f2"}
 	body := []byte(`{"order_id":"o1"}`)
 	digest := sha256.Sum256(body)
-	lock := lockID(tbl.name, k.Source, k.EventID)
+	lock := tbl.lockID(k)
 
 	a, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
@@ -71,7 +71,7 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_wait"}
 	digest := sha256.Sum256([]byte("x"))
-	lock := lockID(tbl.name, k.Source, k.EventID)
+	lock := tbl.lockID(k)
 
 	a, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
@@ -98,4 +98,18 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	assert.True(t, row.completed)
 	assert.Equal(t, 201, row.stored.status)
 	assert.Equal(t, []byte("done"), row.stored.body)
+}
+
+func TestLockIDIgnoresHowTheTableIsSpelled(t *testing.T) {
+	k := Key{Source: "stripe", EventID: "evt_1"}
+	a, err := parseTable("webhook_idempotency")
+	require.NoError(t, err)
+	b, err := parseTable("public.webhook_idempotency")
+	require.NoError(t, err)
+	c, err := parseTable("")
+	require.NoError(t, err)
+	assert.Equal(t, a.lockID(k), b.lockID(k))
+	assert.Equal(t, a.lockID(k), c.lockID(k))
+	assert.NotEqual(t, a.lockID(k), a.lockID(Key{Source: "stripe", EventID: "evt_2"}))
+	assert.NotEqual(t, a.lockID(Key{Source: "ab", EventID: "c"}), a.lockID(Key{Source: "a", EventID: "bc"}), "the separator counts")
 }

@@ -481,12 +481,12 @@ type claimResult struct {
 }
 
 // claim begins the transaction and claims the key. A duplicate of a key in
-// flight waits, at most LockWait over the whole request, for the original to
-// end: then it replays the original's answer, or, if the original rolled
+// flight waits, at most LockWait from when it first finds the key in flight,
+// for the original to end: then it replays the original's answer, or, if the original rolled
 // back, claims the key anew.
 func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claimResult) {
-	lock := lockID(m.table.name, k.Source, k.EventID)
-	deadline := time.Now().Add(m.lockWait)
+	lock := m.table.lockID(k)
+	var deadline time.Time // set when the key is first found in flight
 	storeErr := func(err error) claimResult {
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
 		return res
@@ -528,6 +528,9 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claim
 			continue
 		}
 		// In flight: another transaction holds the key's lock.
+		if deadline.IsZero() {
+			deadline = time.Now().Add(m.lockWait)
+		}
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			_ = tx.Rollback()

@@ -120,7 +120,10 @@ func splitStatements(s string) []string {
 
 // lockID is the 64-bit advisory lock key of a claim: FNV-1a over the table
 // name, the source and the event id, separated by NUL (which none of them may
-// contain). Distinct keys can share a lock only by a 64-bit hash collision,
+// contain). The table enters without its schema, so every spelling of one
+// table ("webhook_idempotency", "public.webhook_idempotency") agrees on the
+// lock; same-named tables in two schemas merely share a lock space. Distinct
+// keys can share a lock only by such sharing or a 64-bit hash collision,
 // which at worst makes a delivery wait or answer 409 once.
 func lockID(tableName, source, eventID string) int64 {
 	const offset, prime = 14695981039346656037, 1099511628211
@@ -134,6 +137,9 @@ func lockID(tableName, source, eventID string) int64 {
 	}
 	return int64(h)
 }
+
+// lockID is the advisory lock key of k's claims in this table.
+func (t table) lockID(k Key) int64 { return lockID(t.rel, k.Source, k.EventID) }
 
 // queries holds the SQL for one table, built once in New.
 type queries struct {
