@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -423,5 +425,58 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 			assert.Equal(t, 1, f.ledgerRows())
 			assert.Equal(t, int64(2), f.runs.Load())
 		})
+	}
+}
+
+// TestLockWaitHoldsWhateverTheTableSpelling runs two instances that name
+// one table differently ("keys" and "public.keys", as during a rolling
+// configuration change). They must agree on the key's advisory lock: else a
+// duplicate on one does not learn "in flight" from the lock and blocks in
+// the INSERT on the original's uncommitted row for the whole handler,
+// whatever LockWait says.
+func TestLockWaitHoldsWhateverTheTableSpelling(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var f *fixture
+	f = newFixture(t, idem.Options{LockWait: -1}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-release
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	other, err := idem.New(f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: "public." + f.table, LockWait: -1})
+	require.NoError(t, err)
+
+	orig := make(chan reply)
+	go func() { orig <- f.post("evt_1", "{}") }()
+	<-entered
+	dup := make(chan int, 1)
+	go func() {
+		rec := httptest.NewRecorder()
+		req := httptest.NewRequest(http.MethodPost, "/", strings.NewReader("{}"))
+		req.Header.Set("X-Event-Id", "evt_1")
+		other.Handler(f.ledgerHandler()).ServeHTTP(rec, req)
+		dup <- rec.Code
+	}()
+	// LockWait -1: the duplicate must answer 409 at once. It either does,
+	// or it is found waiting on the original's row lock.
+	var blocked bool
+	waitFor(t, "the duplicate's answer or its wait", func() bool {
+		select {
+		case code := <-dup:
+			assert.Equal(t, http.StatusConflict, code)
+			return true
+		default:
+		}
+		var n int
+		require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.locktype = 'transactionid' AND NOT l.granted AND a.datname = current_database()`).Scan(&n))
+		blocked = n > 0
+		return blocked
+	})
+	close(release)
+	<-orig
+	if blocked {
+		<-dup
+		t.Fatal("the duplicate through \"public.<table>\" blocked on the original's row instead of answering 409 (LockWait -1)")
 	}
 }
