@@ -5,7 +5,7 @@ package idem_test
 // Against real PostgreSQL (the test binary's own database, see
 // testdb_test.go), with 16 concurrent senders and a pool of 8 connections:
 //
-//	BenchmarkNewEvent/impl={idem,inline,bare}
+//	BenchmarkNewEvent/impl={idem,idem-nocache,inline,bare}
 //	BenchmarkCompletedDuplicate/impl={idem,idem-nocache,inline}
 //	BenchmarkInFlightDuplicate/impl={idem,inline}
 //
@@ -472,7 +472,7 @@ func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s 
 
 // BenchmarkNewEvent: every request carries a key never seen before.
 func BenchmarkNewEvent(b *testing.B) {
-	for _, impl := range []string{"idem", "inline", "bare"} {
+	for _, impl := range []string{"idem", "idem-nocache", "inline", "bare"} {
 		b.Run("impl="+impl, func(b *testing.B) {
 			w := newBenchWorld(b)
 			h := w.handler(b, impl)

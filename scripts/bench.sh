@@ -3,11 +3,15 @@
 # compares, with benchstat, each implementation beside the inline baseline
 # (the seed's SQL written by hand): idem, idem-nocache, inline, bare.
 #
-#   scripts/bench.sh                  # -count 5, every benchmark
+#   scripts/bench.sh                  # 6 rounds, every benchmark
 #   COUNT=10 BENCH=NoopDriver scripts/bench.sh
 #   scripts/bench.sh OLD.txt          # also compare this run with an earlier one
 #
-# Environment: COUNT (default 5), BENCH (a -bench regexp, default .),
+# The rounds are separate `go test -count 1` runs, so that the impls take
+# turns (A B C A B C ...) and a burst of load on the machine falls on all of
+# them alike; go test -count N would run each impl N times in a row.
+# Environment: COUNT (rounds, default 6: benchstat needs 6 samples for a
+# confidence interval), BENCH (a -bench regexp, default .),
 # BENCHTIME (default 1s), OUT (where the raw results go, default
 # bench/bin/bench-<time>.txt, which git ignores), DATABASE_URL (as for the
 # tests). The benchmarks create their own database and fail, never skip,
@@ -16,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-COUNT=${COUNT:-5}
+COUNT=${COUNT:-6}
 BENCH=${BENCH:-.}
 BENCHTIME=${BENCHTIME:-1s}
 mkdir -p bench/bin
@@ -24,8 +28,13 @@ OUT=${OUT:-bench/bin/bench-$(date +%Y%m%d-%H%M%S).txt}
 # Pinned: the newest golang.org/x/perf when this script was written.
 BENCHSTAT=(go run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d4da)
 
-echo "== go test -bench '$BENCH' -count $COUNT -benchtime $BENCHTIME -> $OUT"
-go test -run '^$' -bench "$BENCH" -benchmem -count "$COUNT" -benchtime "$BENCHTIME" -timeout 60m . | tee "$OUT"
+go test -c -o bench/bin/idem.test .
+: > "$OUT"
+for i in $(seq 1 "$COUNT"); do
+  echo "== round $i/$COUNT: -bench '$BENCH' -benchtime $BENCHTIME -> $OUT"
+  bench/bin/idem.test -test.run '^$' -test.bench "$BENCH" -test.benchmem -test.count 1 \
+    -test.benchtime "$BENCHTIME" -test.timeout 60m | tee -a "$OUT"
+done
 
 echo
 echo "== benchstat: each impl against inline (the seed's SQL by hand)"

@@ -26,6 +26,7 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -56,6 +57,7 @@ type config struct {
 	Cold        bool          `json:"cold"`
 	Redis       string        `json:"redis"`
 	JSON        bool          `json:"-"`
+	Markdown    bool          `json:"-"`
 	CPUProfile  string        `json:"-"`
 	MemProfile  string        `json:"-"`
 	KeepDB      bool          `json:"-"`
@@ -92,11 +94,16 @@ func run() int {
 	flag.BoolVar(&cfg.Cold, "cold", false, "complete the duplicate keys through a second instance of each receiver, so the measured one has never seen them")
 	flag.StringVar(&cfg.Redis, "redis", "127.0.0.1:6379", "Redis address for the peer")
 	flag.BoolVar(&cfg.JSON, "json", false, "print the report as JSON")
+	flag.BoolVar(&cfg.Markdown, "markdown", false, "print the report's tables as Markdown (for docs/performance.md)")
+	render := flag.String("render", "", "do not run: print the JSON report in this file as text (or -markdown)")
 	flag.StringVar(&cfg.CPUProfile, "cpuprofile", "", "write a CPU profile of the measured slots (client and receivers: use -receivers idem to isolate it)")
 	flag.StringVar(&cfg.MemProfile, "memprofile", "", "write an allocation profile at the end")
 	flag.BoolVar(&cfg.KeepDB, "keep-db", false, "keep the database for inspection")
 	flag.Parse()
 
+	if *render != "" {
+		return renderFile(*render, cfg.Markdown)
+	}
 	ms, err := parseMixes(mixes)
 	if err != nil {
 		return fatal(err)
@@ -247,13 +254,34 @@ func run() int {
 		rep.Checks = append(rep.Checks, exactlyOnce(ctx, rc))
 	}
 	rep.evaluate()
-	if cfg.JSON {
+	switch {
+	case cfg.JSON:
 		rep.writeJSON(os.Stdout)
-	} else {
+	case cfg.Markdown:
+		rep.writeMarkdown(os.Stdout)
+	default:
 		rep.writeText(os.Stdout)
 	}
 	if !rep.OK {
 		return 1
+	}
+	return 0
+}
+
+// renderFile prints a report saved with -json.
+func renderFile(path string, markdown bool) int {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fatal(err)
+	}
+	var rep report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return fatal(fmt.Errorf("%s: %w", path, err))
+	}
+	if markdown {
+		rep.writeMarkdown(os.Stdout)
+	} else {
+		rep.writeText(os.Stdout)
 	}
 	return 0
 }

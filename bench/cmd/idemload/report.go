@@ -271,3 +271,46 @@ func num(v float64) string {
 	}
 	return fmt.Sprintf("%.2f", v)
 }
+
+// writeMarkdown prints the machine, the load and one table per mix, with
+// the ratios and the targets, as Markdown.
+func (r *report) writeMarkdown(w io.Writer) {
+	c := r.Config
+	fmt.Fprintf(w, "Machine: %s, %d CPUs, %s, PostgreSQL %s. Load: %d senders, pool %d per receiver, %d-byte bodies, %d completed keys per receiver; %v per receiver per mix in %d interleaved rounds.\n",
+		r.Machine.CPU, r.Machine.CPUs, r.Machine.Go, r.Machine.PostgreSQL, c.Concurrency, c.Pool, c.BodySize, c.Keys, c.Duration, c.Rounds)
+	for _, m := range r.Mixes {
+		fmt.Fprintf(w, "\n**%s** (duplicates of completed keys: %g%%)\n\n", m.Name, m.DupShare*100)
+		fmt.Fprintln(w, "| receiver | req/s | p50 ms | p99 ms | p99.9 ms | round trips per request | allocs/req (process) |")
+		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---|---:|")
+		for _, rr := range m.Receivers {
+			st := rr.New
+			if m.DupShare >= 1 {
+				st = rr.Dup
+			}
+			fmt.Fprintf(w, "| %s | %.0f | %.2f | %.2f | %.2f | %s | %.0f |\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
+				strings.ReplaceAll(stmtsCell(st), "|", "/"), rr.AllocObjects)
+		}
+		for _, num := range []string{kindIdem, kindIdemCold} {
+			var parts []string
+			for _, den := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
+				if v, ok := m.Ratios[num+"/"+den]; ok {
+					parts = append(parts, fmt.Sprintf("%s/%s **%.2f**", num, den, v))
+				}
+			}
+			if len(parts) > 0 {
+				fmt.Fprintf(w, "\nThroughput ratios: %s.\n", strings.Join(parts, ", "))
+			}
+		}
+	}
+	if len(r.Targets) > 0 {
+		fmt.Fprintln(w, "\n| target (issue 5) | this run | want | |")
+		fmt.Fprintln(w, "|---|---:|---|---|")
+		for _, t := range r.Targets {
+			met := "met"
+			if !t.Met {
+				met = "**not met**"
+			}
+			fmt.Fprintf(w, "| %s | %.2f | %s | %s |\n", t.What, t.Value, t.Want, met)
+		}
+	}
+}
