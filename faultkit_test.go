@@ -17,43 +17,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Tools for the fault tests: a fixture whose middleware claims through a
-// pool of the test's choosing, a TCP proxy that can cut that pool off from
-// PostgreSQL, and a sender that never calls t.FailNow (it runs on storm
-// goroutines).
-
-// newFixtureOn is newFixture with the middleware on db instead of the
-// fixture's own pool: the tables, the ledger handler and every check stay on
-// f.db, the claims go through db (a small pool, or one behind a cutProxy).
-func newFixtureOn(t testing.TB, db *sql.DB, opts idem.Options, inner http.Handler) *fixture {
-	t.Helper()
-	user := opts.Observer
-	opts.Observer = nil
-	f := newFixture(t, opts, inner)
-	if inner == nil {
-		inner = f.ledgerHandler()
-	}
-	if opts.KeyFunc == nil {
-		opts.KeyFunc = idem.Header("test", "X-Event-Id")
-	}
-	opts.Table = f.table
-	opts.Observer = func(o idem.Observation) {
-		f.mu.Lock()
-		f.seen = append(f.seen, o)
-		f.mu.Unlock()
-		if user != nil {
-			user(o)
-		}
-	}
-	var err error
-	f.mw, err = idem.New(db, opts)
-	require.NoError(t, err)
-	f.srv.Config.Handler = f.mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		f.runs.Add(1)
-		inner.ServeHTTP(w, r)
-	}))
-	return f
-}
+// Tools for the fault tests: pools of the test's choosing (for
+// newFixtureOn), a TCP proxy that can cut a pool off from PostgreSQL, and a
+// sender that never calls t.FailNow (it runs on storm goroutines).
 
 // openPool opens a pool of at most max connections on the test database,
 // through the host:port via if via is not "" (a cutProxy).

@@ -38,7 +38,18 @@ type fixture struct {
 // inner defaults to the ledger handler.
 func newFixture(t testing.TB, opts idem.Options, inner http.Handler) *fixture {
 	t.Helper()
+	return newFixtureOn(t, nil, opts, inner)
+}
+
+// newFixtureOn is newFixture with the middleware on pool (nil: f.db): the
+// tables, the ledger handler and every check stay on f.db, the claims go
+// through pool (a small pool, or one behind a cutProxy).
+func newFixtureOn(t testing.TB, pool *sql.DB, opts idem.Options, inner http.Handler) *fixture {
+	t.Helper()
 	f := &fixture{t: t, db: idem.OpenTestDB(t)}
+	if pool == nil {
+		pool = f.db
+	}
 	f.table = idem.NewTestTable(t, f.db)
 	f.ledger = "ledger_" + f.table
 	_, err := f.db.Exec(`CREATE TABLE ` + f.ledger + ` (
@@ -57,7 +68,7 @@ func newFixture(t testing.TB, opts idem.Options, inner http.Handler) *fixture {
 			user(o)
 		}
 	}
-	f.mw, err = idem.New(f.db, opts)
+	f.mw, err = idem.New(pool, opts)
 	require.NoError(t, err)
 	if inner == nil {
 		inner = f.ledgerHandler()

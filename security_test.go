@@ -265,6 +265,19 @@ func assertNoInternals(t *testing.T, r reply) {
 	}
 }
 
+// failing returns SQL that makes a trigger fail with errcode and a message
+// full of SQL words; when says when it fires ("BEFORE INSERT ON ..."), with
+// %[1]s standing for the idempotency table and %[2]s for the ledger.
+func failing(when, errcode string) string {
+	constraint := ""
+	if strings.Contains(when, "DEFERRED") {
+		constraint = "CONSTRAINT "
+	}
+	return `CREATE FUNCTION "%[1]s_fail"() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'injected: relation secret_table, SQLSTATE XX000' USING ERRCODE = '` + errcode + `'; END $$;
+		CREATE ` + constraint + `TRIGGER fail ` + when + ` FOR EACH ROW EXECUTE FUNCTION "%[1]s_fail"();`
+}
+
 func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -274,23 +287,10 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		want  int
 	}{
 		{"the table is missing", `DROP TABLE "%[1]s"`, nil, http.StatusServiceUnavailable},
-		{"the claim fails", `
-			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN RAISE EXCEPTION 'injected: relation secret_table, SQLSTATE XX000'; END $$;
-			CREATE TRIGGER fail BEFORE INSERT ON "%[1]s" FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`, nil, http.StatusServiceUnavailable},
-		{"the claim keeps conflicting", `
-			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '40001'; END $$;
-			CREATE TRIGGER fail BEFORE INSERT ON "%[1]s" FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`, nil, http.StatusConflict},
-		{"storing the answer fails", `
-			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN RAISE EXCEPTION 'injected'; END $$;
-			CREATE TRIGGER fail BEFORE UPDATE ON "%[1]s" FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`, nil, http.StatusServiceUnavailable},
-		{"COMMIT fails", `
-			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN RAISE EXCEPTION 'injected'; END $$;
-			CREATE CONSTRAINT TRIGGER fail AFTER INSERT ON %[2]s DEFERRABLE INITIALLY DEFERRED
-				FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`, nil, http.StatusServiceUnavailable},
+		{"the claim fails", failing(`BEFORE INSERT ON "%[1]s"`, "P0001"), nil, http.StatusServiceUnavailable},
+		{"the claim keeps conflicting", failing(`BEFORE INSERT ON "%[1]s"`, "40001"), nil, http.StatusConflict},
+		{"storing the answer fails", failing(`BEFORE UPDATE ON "%[1]s"`, "P0001"), nil, http.StatusServiceUnavailable},
+		{"COMMIT fails", failing("AFTER INSERT ON %[2]s DEFERRABLE INITIALLY DEFERRED", "P0001"), nil, http.StatusServiceUnavailable},
 		{"the handler's statement failed and it answered 201 anyway", "", func(f *fixture) http.Handler {
 			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tx, _ := idem.Tx(r.Context())
