@@ -181,7 +181,13 @@ func TestConnectionLossMidStormLosesAndDoublesNothing(t *testing.T) {
 	for i, d := range deliveries {
 		queue <- d
 		if i == third {
-			<-cutDone
+			select {
+			case <-cutDone:
+			case <-time.After(time.Minute): // a guard against a hang, not a measurement
+				close(queue)
+				wg.Wait()
+				t.Fatal("the trigger's first delivery never ran its handler")
+			}
 		}
 	}
 	close(queue)
