@@ -37,6 +37,11 @@ var (
 	// ErrTxMisuse: the handler committed or rolled back the transaction that
 	// belongs to the middleware (500).
 	ErrTxMisuse = errors.New("idem: the handler ended the middleware's transaction")
+	// ErrTxAborted: a statement of the handler failed, which aborts the
+	// transaction, yet the handler answered a final status: the answer
+	// cannot be stored, so everything is rolled back (500). Answer an error
+	// status when a write fails.
+	ErrTxAborted = errors.New("idem: the handler answered a final status after one of its statements failed")
 	// ErrResponseTooLarge: the handler's response is over
 	// Options.MaxResponseBytes and cannot be stored; rolled back (500).
 	ErrResponseTooLarge = errors.New("idem: response too large to store")
@@ -111,7 +116,7 @@ func problemFor(err error) *Problem {
 	case errors.Is(err, ErrHandlerTimeout):
 		p.Status, p.Type, p.Title = http.StatusServiceUnavailable, "timeout", "Processing timed out"
 		p.Detail = "Processing took too long and was rolled back; retry later."
-	case errors.Is(err, ErrTxMisuse):
+	case errors.Is(err, ErrTxMisuse), errors.Is(err, ErrTxAborted):
 		p.Status, p.Type, p.Title = http.StatusInternalServerError, "internal", "Internal error"
 	case errors.Is(err, ErrResponseTooLarge):
 		p.Status, p.Type, p.Title = http.StatusInternalServerError, "internal", "Internal error"

@@ -114,8 +114,11 @@ func GitHub() KeyFunc {
 			return Key{}, err
 		}
 		source := "github"
-		if hook := r.Header.Get("X-Github-Hook-Id"); hook != "" {
-			source = "github:" + hook
+		switch hooks := r.Header.Values("X-Github-Hook-Id"); {
+		case len(hooks) > 1:
+			return Key{}, fmt.Errorf("%w: header X-Github-Hook-Id is sent more than once", ErrInvalidKey)
+		case len(hooks) == 1 && hooks[0] != "":
+			source = "github:" + hooks[0]
 		}
 		return Key{Source: source, EventID: id}, nil
 	}

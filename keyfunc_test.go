@@ -45,6 +45,7 @@ func TestKeyFuncs(t *testing.T) {
 		{"Stripe", idem.Stripe(), `{"id":"evt_1NG8Du2eZvKYlo2C","object":"event"}`, nil, idem.Key{Source: "stripe", EventID: "evt_1NG8Du2eZvKYlo2C"}, nil},
 		{"GitHub scoped by hook", idem.GitHub(), "", []string{"X-GitHub-Delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958", "X-GitHub-Hook-ID", "292430182"}, idem.Key{Source: "github:292430182", EventID: "72d3162e-cc78-11e3-81ab-4c9367dc0958"}, nil},
 		{"GitHub without hook id", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1"}, idem.Key{Source: "github", EventID: "d1"}, nil},
+		{"GitHub with two hook ids", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1", "X-GitHub-Hook-ID", "1", "X-GitHub-Hook-ID", "2"}, idem.Key{}, idem.ErrInvalidKey},
 		{"GitHub without delivery", idem.GitHub(), "", nil, idem.Key{}, idem.ErrNoKey},
 		{"Shopify", idem.Shopify(), "", []string{"X-Shopify-Event-Id", "98880550-7158-44d4-b7cd-2c97c8a091b5"}, idem.Key{Source: "shopify", EventID: "98880550-7158-44d4-b7cd-2c97c8a091b5"}, nil},
 		{"Standard Webhooks", idem.StandardWebhooks("resend"), "", []string{"webhook-id", "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, idem.Key{Source: "resend", EventID: "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, nil},

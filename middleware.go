@@ -625,10 +625,11 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	case !m.cacheStatus(status):
 		// Not final: roll back the claim and the handler's writes, so the
 		// sender's retry runs again; send the handler's answer as it is.
-		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) && ctx.Err() == nil {
 			m.log(x, slog.LevelWarn, "rollback failed", err)
 		}
 		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not cached", status)
+		m.log(x, slog.LevelInfo, "rolled back: the handler's status is not final", x.obs.Err)
 		x.answer(rec)
 		return
 	}
@@ -656,6 +657,8 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
 	case errors.Is(err, sql.ErrTxDone):
 		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
+	case sqlState(err) == "25P02": // in_failed_sql_transaction
+		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack
 	}
 	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
 }

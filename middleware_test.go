@@ -701,3 +701,23 @@ func TestOuterHeadersSurviveAndSetCookieIsNeverReplayed(t *testing.T) {
 	assert.Equal(t, "text/plain; charset=utf-8", dup.header.Get("Content-Type"))
 	assert.Equal(t, "req-1", dup.header.Get("X-Request-Id"))
 }
+
+// A handler that swallows a failed statement and answers 2xx cannot have its
+// answer stored: the transaction is aborted. That is the handler's mistake
+// (500), not a database outage (503).
+func TestFinalAnswerAfterAFailedStatementIs500(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idem.Tx(r.Context())
+		_, err := tx.ExecContext(r.Context(), `SELECT 1/0`)
+		assert.Error(t, err)
+		_, _ = w.Write([]byte("all good"))
+	}))
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusInternalServerError, r.status)
+	assert.NotContains(t, string(r.body), "all good")
+	obs := f.observations()[0]
+	assert.ErrorIs(t, obs.Err, idem.ErrTxAborted)
+	assert.Equal(t, idem.OutcomeRolledBack, obs.Outcome)
+	assert.Equal(t, 0, f.keys())
+}

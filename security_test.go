@@ -298,7 +298,7 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 				assert.Error(t, err)
 				w.WriteHeader(http.StatusCreated)
 			})
-		}, http.StatusServiceUnavailable},
+		}, http.StatusInternalServerError},
 		{"the handler ended the transaction", "", func(f *fixture) http.Handler {
 			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tx, _ := idem.Tx(r.Context())

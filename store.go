@@ -47,18 +47,28 @@ func parseTable(name string) (table, error) {
 		}
 	}
 	t := table{name: name, rel: parts[len(parts)-1]}
-	idx := t.rel + "_claimed_idx"
-	if len(idx) > 63 {
-		idx = idx[:63]
-	}
+	t.index = quoteIdent(indexName(t.rel))
 	if len(parts) == 2 {
 		t.schema = parts[0]
 		t.quoted = quoteIdent(parts[0]) + "." + quoteIdent(parts[1])
 	} else {
 		t.quoted = quoteIdent(parts[0])
 	}
-	t.index = quoteIdent(idx)
 	return t, nil
+}
+
+// indexName is "<table>_claimed_idx", or, when that would not fit in
+// PostgreSQL's 63-byte identifiers, a prefix of the table name with a hash
+// of the whole: a name cut to 63 bytes could be the table's own name (and
+// CREATE INDEX IF NOT EXISTS would quietly skip), or another long table's
+// index name.
+func indexName(rel string) string {
+	const suffix = "_claimed_idx"
+	if len(rel)+len(suffix) <= 63 {
+		return rel + suffix
+	}
+	h := uint32(lockID(rel, "", "")) // any stable hash of the full name
+	return fmt.Sprintf("%s_%08x%s", rel[:63-len(suffix)-9], h, suffix)
 }
 
 // quoteIdent quotes a PostgreSQL identifier: wrapped in double quotes, with
