@@ -131,11 +131,14 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 	<-entered
 
 	// Hold the gate: the sweep's first DELETE will wait, its batch deleted
-	// but not committed, until it is released.
-	gateConn, err := f.db.Conn(ctx)
+	// but not committed, until it is released. A transaction-level lock,
+	// released by COMMIT, so the test also runs through PgBouncer in
+	// transaction mode (a session lock could be released on another server
+	// connection).
+	gateTx, err := f.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
-	defer gateConn.Close()
-	_, err = gateConn.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, gate)
+	defer gateTx.Rollback() //nolint:errcheck // only ends the gate on a failure path
+	_, err = gateTx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, gate)
 	require.NoError(t, err)
 
 	type sweepDone struct {
@@ -171,8 +174,7 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 	// Let the sweep go on, and keep delivering until it is done: new keys,
 	// fresh keys, and expired keys (replayed, or claimed anew once swept:
 	// both are a success).
-	_, err = gateConn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, gate)
-	require.NoError(t, err)
+	require.NoError(t, gateTx.Commit())
 	var (
 		done      sweepDone
 		finished  = make(chan struct{})

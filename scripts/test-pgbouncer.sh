@@ -96,15 +96,7 @@ echo "== root module through PgBouncer $(pgbouncer --version | head -n 1 | awk '
 # round trip, never a named prepared statement. PGX_EXEC_MODE=simple_protocol
 # runs the suite with the other mode that works here.
 export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable&default_query_exec_mode=${PGX_EXEC_MODE:-exec}"
-# Tests that hold session state on a pooled connection (a session-level
-# advisory lock taken on one statement and released on another) cannot run
-# through transaction pooling: the release may reach another server
-# connection, and the test hangs. They are listed here, each with its
-# reason, until they hold their state in a transaction.
-#  - TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed: its gate
-#    is pg_advisory_lock / pg_advisory_unlock on a *sql.Conn.
-session_tests='^TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed$'
-if ! go test -race -count=1 -timeout 5m -skip "$session_tests" ./...; then
+if ! go test -race -count=1 -timeout 5m ./...; then
   echo "test-pgbouncer: tests failed through PgBouncer; its log:" >&2
   tail -n 50 "$dir/pgbouncer.log" >&2 || true
   exit 1
