@@ -11,23 +11,18 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestGuaranteesNameRealTests keeps the Guarantees section honest: every
-// test or fuzz target it names as the check of a promise exists in this
-// package. The section lives in docs/guarantees.md, in README.md, or both.
+// TestGuaranteesNameRealTests keeps the README's Guarantees section honest:
+// every test or fuzz target it names as the check of a promise exists in
+// this package.
 func TestGuaranteesNameRealTests(t *testing.T) {
 	t.Parallel()
-	var section strings.Builder
-	if b, err := os.ReadFile("docs/guarantees.md"); err == nil {
-		section.Write(b)
-	}
-	if b, err := os.ReadFile("README.md"); err == nil {
-		if _, rest, ok := strings.Cut(string(b), "\n## Guarantees\n"); ok {
-			body, _, _ := strings.Cut(rest, "\n## ")
-			section.WriteString(body)
-		}
-	}
-	named := regexp.MustCompile("`((?:Test|Fuzz)[A-Za-z0-9_]+)`").FindAllStringSubmatch(section.String(), -1)
-	require.NotEmpty(t, named, "no Guarantees section naming tests in docs/guarantees.md or README.md")
+	b, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	_, rest, ok := strings.Cut(string(b), "\n## Guarantees\n")
+	require.True(t, ok, "README.md has no Guarantees section")
+	section, _, _ := strings.Cut(rest, "\n## ")
+	named := regexp.MustCompile("`((?:Test|Fuzz)[A-Za-z0-9_]+)`").FindAllStringSubmatch(section, -1)
+	require.NotEmpty(t, named, "the Guarantees section names no tests")
 
 	defined := map[string]bool{}
 	files, err := filepath.Glob("*_test.go")
