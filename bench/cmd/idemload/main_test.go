@@ -1,0 +1,74 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseMixesAcceptsNamesAndShares(t *testing.T) {
+	ms, err := parseMixes("new, dup,0.25")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []mix{{"new", 0}, {"dup", 1}, {"dup25%", 0.25}}
+	if len(ms) != len(want) {
+		t.Fatalf("got %v, want %v", ms, want)
+	}
+	for i := range want {
+		if ms[i] != want[i] {
+			t.Errorf("mix %d: got %v, want %v", i, ms[i], want[i])
+		}
+	}
+	for _, bad := range []string{"", "old", "1.5", "-0.1"} {
+		if _, err := parseMixes(bad); err == nil {
+			t.Errorf("parseMixes(%q) accepted", bad)
+		}
+	}
+}
+
+func TestPercentileIsNearestRank(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 1000; i++ {
+		d = append(d, time.Duration(i))
+	}
+	for q, want := range map[float64]time.Duration{0.5: 500, 0.99: 990, 0.999: 999, 1: 1000} {
+		if got := percentile(d, q); got != want {
+			t.Errorf("percentile(%v) = %v, want %v", q, got, want)
+		}
+	}
+	if percentile(nil, 0.5) != 0 {
+		t.Error("percentile of nothing is not 0")
+	}
+}
+
+func TestSendBodyIsTheSameBytesForTheSameEvent(t *testing.T) {
+	a, b := sendBody("evt_1", 1024), sendBody("evt_1", 1024)
+	if !bytes.Equal(a, b) || len(a) != 1024 {
+		t.Fatalf("len %d, equal %v", len(a), bytes.Equal(a, b))
+	}
+	if !strings.HasPrefix(string(a), `{"id":"evt_1"`) {
+		t.Errorf("body %.40s", a)
+	}
+}
+
+func TestStatementsAreAveragedPerRequest(t *testing.T) {
+	var p pathStats
+	for i := 0; i < 2; i++ {
+		var c reqCount
+		c.begin.Add(1)
+		c.query.Add(2)
+		c.exec.Add(1)
+		c.commit.Add(1)
+		c.business.Add(1)
+		p.add(&c)
+	}
+	s := p.snapshot()
+	if s.Requests != 2 || s.Total != 5 || s.Business != 1 || s.Added != 4 {
+		t.Fatalf("got %+v", s)
+	}
+	if got := stmtsCell(s); got != "5=1+4 [B1 Q2 E1 C1]" {
+		t.Errorf("cell %q", got)
+	}
+}
