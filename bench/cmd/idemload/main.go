@@ -161,8 +161,10 @@ func run() int {
 			if err != nil {
 				return fatal(err)
 			}
-			defer deleteRedisKeys(e.redis, e.run)
-			defer e.redis.Close()
+			defer func() { // this run's keys first (they would expire anyway), then the client
+				deleteRedisKeys(e.redis, e.run)
+				_ = e.redis.Close()
+			}()
 			active = append(active, k)
 			rep.Peer = true
 			rep.PeerNote = peerCaveat
