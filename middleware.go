@@ -117,10 +117,12 @@ type Options struct {
 	// on w when the answer invites a retry.
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, p *Problem)
 
-	// ReplayCacheBytes bounds an in-memory cache of completed answers, so
-	// duplicates this instance has already answered or replayed are served
-	// without a database round trip (the body digest is still checked).
-	// Duplicates of keys this instance has not seen always go to the
+	// ReplayCacheBytes bounds an in-memory cache of replayed answers: once
+	// this instance has replayed a key's answer from the database, further
+	// duplicates of it are served without a round trip (the body digest is
+	// still checked). Only keys that have had a duplicate are kept, so the
+	// great majority of events, which never do, cost the cache nothing.
+	// Duplicates of keys this instance has not replayed always go to the
 	// database. 0 means DefaultReplayCacheBytes (16 MiB); a negative value
 	// turns the cache off.
 	ReplayCacheBytes int64
@@ -430,7 +432,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		x.replay(c.replay)
 		return
 	}
-	m.run(ctx, x, c.tx, key, body, digest[:], next)
+	m.run(ctx, x, c.tx, key, body, next)
 }
 
 // readBody reads the whole request body, bounded by MaxBodyBytes.
@@ -593,7 +595,7 @@ func retryable(err error) bool {
 
 // run calls the handler inside the claim's transaction, then commits its
 // answer or rolls everything back.
-func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body, digest []byte, next http.Handler) {
+func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body []byte, next http.Handler) {
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent
@@ -634,7 +636,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 		return
 	}
 
-	kept, headers := m.replayHeadersOf(rec.header)
+	headers := appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
 	err := m.q.doComplete(ctx, tx, k, status, headers, rec.body.Bytes())
 	if err == nil {
 		err = tx.Commit()
@@ -647,7 +649,6 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	}
 	x.obs.Outcome = OutcomeCompleted
 	x.answer(rec)
-	m.cache.put(k, &stored{digest: digest, status: status, header: kept, body: bytes.Clone(rec.body.Bytes())}, x.start)
 }
 
 // finishProblem names why storing the answer or committing failed.
@@ -661,18 +662,6 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack
 	}
 	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
-}
-
-// replayHeadersOf keeps the allow-listed headers of an answer, as copies and
-// as the JSON object stored in response_headers.
-func (m *Middleware) replayHeadersOf(h http.Header) (http.Header, []byte) {
-	keep := make(http.Header, 2)
-	for _, name := range m.replayHeaders {
-		if v, ok := h[name]; ok {
-			keep[name] = append([]string(nil), v...)
-		}
-	}
-	return keep, appendHeaderJSON(make([]byte, 0, 64), keep, m.replayHeaders)
 }
 
 // replay answers a duplicate with the stored response. Headers set by
