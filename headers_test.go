@@ -43,6 +43,45 @@ func TestParseHeaderJSONRejectsOtherShapes(t *testing.T) {
 	}
 }
 
+func TestParseHeaderJSONReadsJSONBOutput(t *testing.T) {
+	// jsonb's normalized form, escapes as PostgreSQL writes them, and
+	// surrogate pairs.
+	got, err := parseHeaderJSON([]byte(`{"A": ["x\\y\"z", "\u00e9\ud83d\ude00\t"], "Empty": []}`))
+	require.NoError(t, err)
+	assert.Equal(t, []string{`x\y"z`, "é😀\t"}, got["A"])
+	assert.Empty(t, got["Empty"])
+	got, err = parseHeaderJSON([]byte(`{"B":["\ud800x"]}`))
+	require.NoError(t, err)
+	assert.Equal(t, "\ufffdx", got.Get("B"), "a lone surrogate becomes U+FFFD, as encoding/json does")
+}
+
+func FuzzParseHeaderJSON(f *testing.F) {
+	f.Add([]byte(`{"A": ["b", "c"]}`))
+	f.Add([]byte(`{"A":["\u00e9\ud83d\ude00\ud800"]}`))
+	f.Add([]byte(`{}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		got, err := parseHeaderJSON(b)
+		var std map[string][]string
+		stdErr := json.Unmarshal(b, &std)
+		if err != nil {
+			return // stricter than encoding/json is fine: only our own output is read
+		}
+		if stdErr != nil {
+			t.Fatalf("accepted what encoding/json rejects: %q", b)
+		}
+		for k, vs := range got {
+			if len(vs) != len(std[k]) {
+				t.Fatalf("%q: %q != %q", b, vs, std[k])
+			}
+			for i := range vs {
+				if vs[i] != std[k][i] {
+					t.Fatalf("%q: %q != %q", b, vs[i], std[k][i])
+				}
+			}
+		}
+	})
+}
+
 func FuzzHeaderJSON(f *testing.F) {
 	f.Add("text/plain", "</a>; rel=\"x\"")
 	f.Add("\x00", "\xff\xfe")

@@ -102,6 +102,7 @@ func openTestDB(t testing.TB) *sql.DB {
 		t.Fatal(err)
 	}
 	db.SetMaxOpenConns(20)
+	db.SetMaxIdleConns(20) // database/sql keeps 2 by default: concurrent tests would reconnect all the time
 	t.Cleanup(func() { db.Close() })
 	if err := db.PingContext(context.Background()); err != nil {
 		t.Fatalf("PostgreSQL is required: %v", err)
