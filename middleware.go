@@ -381,7 +381,15 @@ type exchange struct {
 	r     *http.Request
 	start time.Time
 	obs   Observation
+	state reqState   // what the handler's context carries
+	body  bodyReader // the handler's r.Body
 }
+
+// bodyReader replays the buffered request body to the handler.
+type bodyReader struct{ bytes.Reader }
+
+// Close does nothing: the middleware owns the buffer.
+func (*bodyReader) Close() error { return nil }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	x := &exchange{m: m, w: w, r: r, start: time.Now()}
@@ -446,7 +454,7 @@ func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error
 	if r.ContentLength > 0 {
 		buf.Grow(int(r.ContentLength) + 1)
 	}
-	n, err := buf.ReadFrom(io.LimitReader(r.Body, m.maxBody+1))
+	n, err := buf.ReadFrom(&limitedReader{r: r.Body, n: m.maxBody + 1})
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
@@ -458,6 +466,24 @@ func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error
 		return nil, ErrBodyTooLarge
 	}
 	return buf.Bytes(), nil
+}
+
+// limitedReader is io.LimitedReader without its allocation per request.
+type limitedReader struct {
+	r io.Reader
+	n int64
+}
+
+func (l *limitedReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		return 0, io.EOF
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	n, err := l.r.Read(p)
+	l.n -= int64(n)
+	return n, err
 }
 
 // keyProblem answers a KeyFunc or validation error with 400. Only errors
@@ -612,8 +638,10 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 			rec.release()
 		}
 	}()
-	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &reqState{tx: tx, key: k}))
-	r2.Body = io.NopCloser(bytes.NewReader(body))
+	x.state = reqState{tx: tx, key: k}
+	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &x.state))
+	x.body.Reset(body)
+	r2.Body = &x.body
 	r2.ContentLength = int64(len(body))
 	next.ServeHTTP(rec, r2)
 	finished = true
