@@ -11,9 +11,9 @@ import (
 )
 
 // The seed's concurrency test, on two real connections: while A holds an
-// uncommitted claim, B's claim does not win and does not block; once A
-// commits, B's claim sees A's completed row; the race the primary key settles
-// can only show up with two connections.
+// uncommitted claim, B's claim does not win and does not block, and B sees
+// the key in flight; once A commits, a new claim sees A's completed row. The
+// race the primary key settles can only show up with two connections.
 func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	t.Parallel()
 	db := openTestDB(t)
@@ -33,15 +33,17 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	require.NoError(t, err)
 	defer b.Rollback() //nolint:errcheck
 
-	first, err := q.doClaim(ctx, a, k, digest[:], lock)
+	won, err := q.doClaim(ctx, a, k, digest[:], lock)
 	require.NoError(t, err)
-	assert.True(t, first.won, "A wins the free key")
+	assert.True(t, won, "A wins the free key")
 
-	second, err := q.doClaim(ctx, b, k, digest[:], lock)
+	won, err = q.doClaim(ctx, b, k, digest[:], lock)
 	require.NoError(t, err, "B neither blocks nor fails on A's uncommitted row")
-	assert.False(t, second.won)
-	assert.False(t, second.gotLock, "B sees the claim in flight")
-	assert.False(t, second.visible)
+	assert.False(t, won)
+	busy, err := q.doLookup(ctx, b, k, lock)
+	require.NoError(t, err)
+	assert.False(t, busy.gotLock, "B sees the claim in flight")
+	assert.False(t, busy.visible, "A's uncommitted row is invisible to B")
 	require.NoError(t, b.Rollback())
 
 	require.NoError(t, q.doComplete(ctx, a, k, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
@@ -50,18 +52,20 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	c, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer c.Rollback() //nolint:errcheck
-	third, err := q.doClaim(ctx, c, k, digest[:], lock)
+	won, err = q.doClaim(ctx, c, k, digest[:], lock)
 	require.NoError(t, err)
-	assert.False(t, third.won, "a completed key is never claimed again")
-	assert.True(t, third.completed, "and its answer comes back in the same statement")
-	assert.Equal(t, []byte(`{"status":"recorded"}`), third.stored.body)
-	assert.Equal(t, 200, third.stored.status)
-	assert.Equal(t, digest[:], third.stored.digest)
+	assert.False(t, won, "a completed key is never claimed again")
+	done, err := q.doLookup(ctx, c, k, lock)
+	require.NoError(t, err)
+	assert.True(t, done.completed, "and its answer is there")
+	assert.Equal(t, []byte(`{"status":"recorded"}`), done.stored.body)
+	assert.Equal(t, 200, done.stored.status)
+	assert.Equal(t, digest[:], done.stored.digest)
 }
 
-// The snapshot trap of DESIGN-NOTES: a claim statement that waited for (or
-// raced with) a committing original cannot see its row in its own snapshot.
-// The middleware then reads with a new statement, which does.
+// The snapshot trap of DESIGN-NOTES: a statement that waited for a
+// committing original cannot see its row in its own snapshot. The middleware
+// reads with a new statement after the wait, which does.
 func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	t.Parallel()
 	db := openTestDB(t)
@@ -77,14 +81,14 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	require.NoError(t, err)
 	won, err := q.doClaim(ctx, a, k, digest[:], lock)
 	require.NoError(t, err)
-	require.True(t, won.won)
+	require.True(t, won)
 
 	b, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	require.NoError(t, err)
 	defer b.Rollback() //nolint:errcheck
-	busy, err := q.doClaim(ctx, b, k, digest[:], lock)
+	won, err = q.doClaim(ctx, b, k, digest[:], lock)
 	require.NoError(t, err)
-	require.False(t, busy.gotLock)
+	require.False(t, won)
 
 	waited := make(chan error)
 	go func() { waited <- q.doWait(ctx, b, lock, 60e9) }()
@@ -92,8 +96,9 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	require.NoError(t, a.Commit())
 	require.NoError(t, <-waited)
 
-	row, err := q.doLookup(ctx, b, k)
+	row, err := q.doLookup(ctx, b, k, lock)
 	require.NoError(t, err)
+	assert.True(t, row.gotLock)
 	assert.True(t, row.visible)
 	assert.True(t, row.completed)
 	assert.Equal(t, 201, row.stored.status)

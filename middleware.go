@@ -528,11 +528,16 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claim
 		if err != nil {
 			return storeErr(err)
 		}
-		row, err := m.q.doClaim(ctx, tx, k, digest, lock)
-		if err == nil && !row.won && !row.visible && row.gotLock {
-			// The key conflicted, but its row committed after this
-			// statement's snapshot was taken: a new statement sees it.
-			row, err = m.q.doLookup(ctx, tx, k)
+		won, err := m.q.doClaim(ctx, tx, k, digest, lock)
+		if err == nil && won {
+			res.tx = tx
+			return res
+		}
+		var row claimRow
+		if err == nil {
+			// Nothing inserted: the key is completed or in flight. A new
+			// statement reads its row and whether its lock is free.
+			row, err = m.q.doLookup(ctx, tx, k, lock)
 		}
 		if err != nil {
 			_ = tx.Rollback()
@@ -543,15 +548,14 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claim
 			return storeErr(err)
 		}
 		switch {
-		case row.won:
-			res.tx = tx
-			return res
 		case row.visible:
 			_ = tx.Rollback()
 			return m.answerStored(res, row, digest)
 		case row.gotLock:
-			// Not visible even to a new statement: the snapshot is the
-			// transaction's (REPEATABLE READ or SERIALIZABLE). Start over.
+			// No row, and nobody holds the lock: the original ended without
+			// committing (rolled back) since the claim ran, or the snapshot
+			// is the transaction's (REPEATABLE READ or SERIALIZABLE) and
+			// cannot see the row. Claim again in a new transaction.
 			_ = tx.Rollback()
 			continue
 		}
@@ -569,7 +573,7 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claim
 		err = m.q.doWait(ctx, tx, lock, remaining)
 		res.waited += time.Since(waitStart)
 		if err == nil {
-			row, err = m.q.doLookup(ctx, tx, k)
+			row, err = m.q.doLookup(ctx, tx, k, lock)
 		}
 		_ = tx.Rollback()
 		switch {
