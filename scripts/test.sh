@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 echo "== root module: go test -race"
 go test -race -count=1 ./...
 
+echo "== root module: every benchmark once (-benchtime 1x), so they cannot rot"
+go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null
+
 if [ -f examples/go.mod ]; then
   echo "== examples module: build and go test -race"
   (cd examples && go build ./... && go test -race -count=1 ./...)
