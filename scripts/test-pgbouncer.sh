@@ -8,15 +8,23 @@
 # then goes back to the pool, so anything that outlives a transaction on a
 # connection (session SET, session advisory locks, named prepared
 # statements) would break here: idem uses none. pgx needs
-# default_query_exec_mode=exec (see docs/pgbouncer.md).
+# default_query_exec_mode=exec (see the README's PgBouncer section).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v pgbouncer >/dev/null; then
-  echo "test-pgbouncer: installing pgbouncer with apt-get" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq pgbouncer >/dev/null
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test-pgbouncer: installing pgbouncer with apt-get" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq pgbouncer >/dev/null
+  elif [ "${CI:-}" = true ]; then
+    echo "test-pgbouncer: pgbouncer is missing and cannot be installed here (root and apt-get needed)" >&2
+    exit 1
+  else
+    echo "== PgBouncer pass skipped: pgbouncer is not installed (CI installs it; Debian: apt-get install pgbouncer)"
+    exit 0
+  fi
 fi
 
 # PgBouncer refuses to run as root: run it as the postgres user, in a
