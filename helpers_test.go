@@ -171,3 +171,49 @@ func problemDoc(t testing.TB, r reply) map[string]any {
 	require.NoError(t, json.Unmarshal(r.body, &doc))
 	return doc
 }
+
+// gate holds the first run of a handler until the test releases it, so that
+// duplicates can be sent while the original is in flight.
+type gate struct {
+	entered, release chan struct{}
+	taken            atomic.Bool
+}
+
+func newGate() *gate { return &gate{entered: make(chan struct{}), release: make(chan struct{})} }
+
+// hold is called by the handler: its first call says so and waits for
+// open; it reports whether it was that first call.
+func (g *gate) hold() bool {
+	if !g.taken.CompareAndSwap(false, true) {
+		return false
+	}
+	close(g.entered)
+	<-g.release
+	return true
+}
+
+// open lets the held original go on.
+func (g *gate) open() { close(g.release) }
+
+// heldLedgerHandler is the ledger handler whose first run waits at g.
+func (f *fixture) heldLedgerHandler(g *gate) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		g.hold()
+		f.ledgerHandler().ServeHTTP(w, r)
+	})
+}
+
+// postAsync sends a delivery in the background; its reply arrives on the
+// channel.
+func (f *fixture) postAsync(id, body string) <-chan reply {
+	c := make(chan reply, 1)
+	go func() { c <- f.post(id, body) }()
+	return c
+}
+
+// startOriginal sends a delivery and returns once its handler is held at g.
+func (f *fixture) startOriginal(g *gate, id, body string) <-chan reply {
+	c := f.postAsync(id, body)
+	<-g.entered
+	return c
+}

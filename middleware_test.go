@@ -334,23 +334,18 @@ func TestHandlerEndingTheTransactionIsMisuse(t *testing.T) {
 
 func TestInFlightDuplicateWaitsThenReplays(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
+	g := newGate()
 	var f *fixture
 	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		close(entered)
-		<-release
-		f.ledgerHandler().ServeHTTP(w, r)
+		f.heldLedgerHandler(g).ServeHTTP(w, r)
 	}))
 
-	orig := make(chan reply)
-	go func() { orig <- f.post("evt_1", "{}") }()
-	<-entered
-	dup := make(chan reply)
-	go func() { dup <- f.post("evt_1", "{}") }()
+	orig := f.startOriginal(g, "evt_1", "{}")
+	dup := f.postAsync("evt_1", "{}")
 	// Wait until the duplicate is blocked on the original's lock, then let
 	// the original finish.
 	waitForLockWaiter(t, f.db)
-	close(release)
+	g.open()
 	o, d := <-orig, <-dup
 	require.Equal(t, http.StatusCreated, o.status)
 	assert.Equal(t, http.StatusCreated, d.status)
@@ -362,18 +357,12 @@ func TestInFlightDuplicateWaitsThenReplays(t *testing.T) {
 
 func TestInFlightDuplicateGets409AfterLockWait(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
+	g := newGate()
 	var f *fixture
 	f = newFixture(t, idem.Options{LockWait: 50 * time.Millisecond, RetryAfter: 3 * time.Second},
-		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			close(entered)
-			<-release
-			f.ledgerHandler().ServeHTTP(w, r)
-		}))
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { f.heldLedgerHandler(g).ServeHTTP(w, r) }))
 
-	orig := make(chan reply)
-	go func() { orig <- f.post("evt_1", "{}") }()
-	<-entered
+	orig := f.startOriginal(g, "evt_1", "{}")
 	d := f.post("evt_1", "{}")
 	assert.Equal(t, http.StatusConflict, d.status)
 	assert.Equal(t, "3", d.header.Get("Retry-After"))
@@ -385,7 +374,7 @@ func TestInFlightDuplicateGets409AfterLockWait(t *testing.T) {
 	assert.Equal(t, idem.OutcomeInFlight, obs[0].Outcome)
 	assert.Positive(t, obs[0].Wait)
 
-	close(release)
+	g.open()
 	require.Equal(t, http.StatusCreated, (<-orig).status)
 	assert.Equal(t, "true", f.post("evt_1", "{}").header.Get("Idempotent-Replayed"))
 	assert.Equal(t, 1, f.ledgerRows())
@@ -393,45 +382,34 @@ func TestInFlightDuplicateGets409AfterLockWait(t *testing.T) {
 
 func TestNegativeLockWaitAnswers409AtOnce(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
+	g := newGate()
 	var f *fixture
 	f = newFixture(t, idem.Options{LockWait: -1}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		close(entered)
-		<-release
-		f.ledgerHandler().ServeHTTP(w, r)
+		f.heldLedgerHandler(g).ServeHTTP(w, r)
 	}))
-	orig := make(chan reply)
-	go func() { orig <- f.post("evt_1", "{}") }()
-	<-entered
+	orig := f.startOriginal(g, "evt_1", "{}")
 	d := f.post("evt_1", "{}")
 	assert.Equal(t, http.StatusConflict, d.status)
 	assert.Zero(t, f.observations()[0].Wait)
-	close(release)
+	g.open()
 	<-orig
 }
 
 func TestDuplicateOfRolledBackOriginalClaimsAnew(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
-	first := true
+	g := newGate()
 	var f *fixture
 	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if first {
-			first = false
-			close(entered)
-			<-release
+		if g.hold() {
 			http.Error(w, "try again", http.StatusServiceUnavailable)
 			return
 		}
 		f.ledgerHandler().ServeHTTP(w, r)
 	}))
-	orig := make(chan reply)
-	go func() { orig <- f.post("evt_1", "{}") }()
-	<-entered
-	dup := make(chan reply)
-	go func() { dup <- f.post("evt_1", "{}") }()
+	orig := f.startOriginal(g, "evt_1", "{}")
+	dup := f.postAsync("evt_1", "{}")
 	waitForLockWaiter(t, f.db)
-	close(release)
+	g.open()
 	assert.Equal(t, http.StatusServiceUnavailable, (<-orig).status)
 	d := <-dup
 	assert.Equal(t, http.StatusCreated, d.status, "the waiting duplicate became the original")
@@ -441,22 +419,15 @@ func TestDuplicateOfRolledBackOriginalClaimsAnew(t *testing.T) {
 
 func TestInFlightDuplicateWithDifferentBodyGets422AfterTheWait(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
+	g := newGate()
 	var f *fixture
 	f = newFixture(t, idem.Options{LockWait: time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if f.runs.Load() == 1 {
-			close(entered)
-			<-release
-		}
-		f.ledgerHandler().ServeHTTP(w, r)
+		f.heldLedgerHandler(g).ServeHTTP(w, r)
 	}))
-	orig := make(chan reply)
-	go func() { orig <- f.post("evt_1", `{"v":1}`) }()
-	<-entered
-	dup := make(chan reply)
-	go func() { dup <- f.post("evt_1", `{"v":2}`) }()
+	orig := f.startOriginal(g, "evt_1", `{"v":1}`)
+	dup := f.postAsync("evt_1", `{"v":2}`)
 	waitForLockWaiter(t, f.db)
-	close(release)
+	g.open()
 	require.Equal(t, http.StatusCreated, (<-orig).status)
 	assert.Equal(t, http.StatusUnprocessableEntity, (<-dup).status)
 }
@@ -485,17 +456,11 @@ func waitForLockWaiter(t *testing.T, db *sql.DB) {
 
 func TestClientHangingUpDoesNotCancelTheWork(t *testing.T) {
 	t.Parallel()
-	entered, release := make(chan struct{}), make(chan struct{})
+	g := newGate()
 	done := make(chan idem.Observation, 1)
 	var f *fixture
 	f = newFixture(t, idem.Options{Observer: func(o idem.Observation) { done <- o }},
-		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if f.runs.Load() == 1 {
-				close(entered)
-				<-release
-			}
-			f.ledgerHandler().ServeHTTP(w, r)
-		}))
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { f.heldLedgerHandler(g).ServeHTTP(w, r) }))
 
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, f.srv.URL, strings.NewReader("{}"))
@@ -509,10 +474,10 @@ func TestClientHangingUpDoesNotCancelTheWork(t *testing.T) {
 		}
 		gone <- err
 	}()
-	<-entered
+	<-g.entered
 	cancel()
 	require.Error(t, <-gone, "the client hung up")
-	close(release)
+	g.open()
 	o := <-done
 	assert.Equal(t, idem.OutcomeCompleted, o.Outcome, "%v", o.Err)
 	assert.Equal(t, 1, f.ledgerRows())

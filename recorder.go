@@ -78,38 +78,37 @@ func (rec *recorder) WriteHeader(code int) {
 }
 
 func (rec *recorder) Write(p []byte) (int, error) {
-	if rec.released {
-		return 0, rec.late()
-	}
-	if !rec.wroteHeader {
-		rec.WriteHeader(http.StatusOK)
-	}
-	if rec.overflow {
-		return 0, ErrResponseTooLarge
-	}
-	if rec.body.Len()+len(p) > rec.limit {
-		rec.overflow = true
-		return 0, ErrResponseTooLarge
+	if err := rec.room(len(p)); err != nil {
+		return 0, err
 	}
 	return rec.body.Write(p)
 }
 
 // WriteString lets io.WriteString avoid a conversion.
 func (rec *recorder) WriteString(s string) (int, error) {
+	if err := rec.room(len(s)); err != nil {
+		return 0, err
+	}
+	return rec.body.WriteString(s)
+}
+
+// room prepares a write of n bytes: the implicit 200, and the checks that
+// the recorder is alive and the answer stays under its cap.
+func (rec *recorder) room(n int) error {
 	if rec.released {
-		return 0, rec.late()
+		return rec.late()
 	}
 	if !rec.wroteHeader {
 		rec.WriteHeader(http.StatusOK)
 	}
 	if rec.overflow {
-		return 0, ErrResponseTooLarge
+		return ErrResponseTooLarge
 	}
-	if rec.body.Len()+len(s) > rec.limit {
+	if rec.body.Len()+n > rec.limit {
 		rec.overflow = true
-		return 0, ErrResponseTooLarge
+		return ErrResponseTooLarge
 	}
-	return rec.body.WriteString(s)
+	return nil
 }
 
 // Flush does nothing: bytes sent before COMMIT could promise a result that
