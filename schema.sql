@@ -1,5 +1,8 @@
 -- The idempotency table. {{.Table}} and {{.ClaimedIndex}} are quoted
 -- identifiers filled in by Migrate; every statement is safe to run again.
+-- A later change to the schema is added below as another idempotent
+-- statement (ALTER TABLE ... ADD COLUMN IF NOT EXISTS, CREATE INDEX IF NOT
+-- EXISTS), so the same Migrate creates a new table and updates an old one.
 --
 -- One row per logical operation, keyed by (source, event_id): the primary
 -- key is the lock. A row becomes visible to other transactions only when the
