@@ -32,7 +32,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"crypto/subtle"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
@@ -45,8 +44,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/pgidem/idem/internal/benchref"
+
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
 )
@@ -56,172 +56,9 @@ const (
 	benchPool     = 8    // pooled connections: pgbench's 8 clients saturate 2 cores
 	benchBodySize = 1024 // bytes of JSON per request: a typical webhook
 	benchDupKeys  = 1000 // completed keys the duplicate benchmarks cycle over
-	benchSource   = "bench"
-	benchHeader   = "X-Event-Id"
+	benchSource   = benchref.Source
+	benchHeader   = benchref.EventHeader
 )
-
-// ---- the handler work, shared by every impl --------------------------------
-
-// benchLedgerInsert appends one row to the ledger and returns its id.
-func benchLedgerInsert(ctx context.Context, tx *sql.Tx, ledger, eventID string, body []byte) (int64, error) {
-	var id int64
-	err := tx.QueryRowContext(ctx, `INSERT INTO `+ledger+` (event_id, body) VALUES ($1, $2) RETURNING id`,
-		eventID, body).Scan(&id)
-	return id, err
-}
-
-// benchAnswer is the handler's JSON answer.
-func benchAnswer(id int64, eventID string) []byte {
-	b := make([]byte, 0, 48+len(eventID))
-	b = append(b, `{"ledger_id":`...)
-	b = strconv.AppendInt(b, id, 10)
-	b = append(b, `,"event":`...)
-	b = strconv.AppendQuote(b, eventID)
-	return append(b, "}\n"...)
-}
-
-func benchWriteJSON(w http.ResponseWriter, status int, body []byte) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_, _ = w.Write(body)
-}
-
-// benchIdemHandler is the handler behind the middleware: the ledger write in the
-// middleware's transaction.
-func benchIdemHandler(ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, ok := idem.Tx(r.Context())
-		if !ok {
-			http.Error(w, "no transaction", http.StatusInternalServerError)
-			return
-		}
-		key, _ := idem.KeyFromContext(r.Context())
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
-		}
-		id, err := benchLedgerInsert(r.Context(), tx, ledger, key.EventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		benchWriteJSON(w, http.StatusCreated, benchAnswer(id, key.EventID))
-	})
-}
-
-// benchBareHandler is the ledger write in a plain transaction: no idempotency.
-func benchBareHandler(db *sql.DB, ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ctx := r.Context()
-		eventID := r.Header.Get(benchHeader)
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
-		}
-		tx, err := db.BeginTx(ctx, nil)
-		if err != nil {
-			http.Error(w, "begin", http.StatusServiceUnavailable)
-			return
-		}
-		defer func() { _ = tx.Rollback() }()
-		id, err := benchLedgerInsert(ctx, tx, ledger, eventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		if err := tx.Commit(); err != nil {
-			http.Error(w, "commit", http.StatusServiceUnavailable)
-			return
-		}
-		benchWriteJSON(w, http.StatusCreated, benchAnswer(id, eventID))
-	})
-}
-
-// benchInlineHandler is the seed's handler written by hand: the best a user would
-// write without a middleware, on the same table as the middleware's.
-func benchInlineHandler(db *sql.DB, table, ledger string) http.Handler {
-	q := `"` + table + `"`
-	claim := `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
-ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
-	lookup := `SELECT payload_digest, response_status, response_body FROM ` + q + `
-WHERE source = $1 AND event_id = $2`
-	complete := `UPDATE ` + q + `
-SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
-WHERE source = $1 AND event_id = $2`
-	const headers = `{"Content-Type": ["application/json"]}`
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ctx := r.Context()
-		eventID := r.Header.Get(benchHeader)
-		body, err := io.ReadAll(io.LimitReader(r.Body, idem.DefaultMaxBodyBytes))
-		if err != nil || eventID == "" {
-			http.Error(w, "bad request", http.StatusBadRequest)
-			return
-		}
-		digest := sha256.Sum256(body)
-		tx, err := db.BeginTx(ctx, nil)
-		if err != nil {
-			http.Error(w, "begin", http.StatusServiceUnavailable)
-			return
-		}
-		defer func() { _ = tx.Rollback() }()
-		var one int
-		err = tx.QueryRowContext(ctx, claim, benchSource, eventID, digest[:]).Scan(&one)
-		switch {
-		case errors.Is(err, sql.ErrNoRows): // a duplicate: answer what is stored
-			var (
-				stored []byte
-				status sql.NullInt32
-				answer []byte
-			)
-			if err := tx.QueryRowContext(ctx, lookup, benchSource, eventID).Scan(&stored, &status, &answer); err != nil {
-				http.Error(w, "lookup", http.StatusServiceUnavailable)
-				return
-			}
-			_ = tx.Rollback()
-			switch {
-			case !status.Valid:
-				http.Error(w, "in flight", http.StatusConflict)
-			case subtle.ConstantTimeCompare(stored, digest[:]) != 1:
-				http.Error(w, "payload mismatch", http.StatusUnprocessableEntity)
-			default:
-				w.Header().Set("Idempotent-Replayed", "true")
-				benchWriteJSON(w, int(status.Int32), answer)
-			}
-			return
-		case benchSQLState(err) == "55P03":
-			http.Error(w, "in flight", http.StatusConflict)
-			return
-		case err != nil:
-			http.Error(w, "claim", http.StatusServiceUnavailable)
-			return
-		}
-		id, err := benchLedgerInsert(ctx, tx, ledger, eventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		answer := benchAnswer(id, eventID)
-		if _, err := tx.ExecContext(ctx, complete, benchSource, eventID, http.StatusCreated, headers, answer); err != nil {
-			http.Error(w, "store", http.StatusServiceUnavailable)
-			return
-		}
-		if err := tx.Commit(); err != nil {
-			http.Error(w, "commit", http.StatusServiceUnavailable)
-			return
-		}
-		benchWriteJSON(w, http.StatusCreated, answer)
-	})
-}
-
-func benchSQLState(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
-}
 
 // ---- requests without an HTTP stack ----------------------------------------
 
@@ -425,13 +262,13 @@ func (w *benchWorld) middleware(b *testing.B, opts idem.Options) *idem.Middlewar
 func (w *benchWorld) handler(b *testing.B, impl string) http.Handler {
 	switch impl {
 	case "idem":
-		return w.middleware(b, idem.Options{}).Handler(benchIdemHandler(w.ledger))
+		return w.middleware(b, idem.Options{}).Handler(benchref.IdemHandler(w.ledger))
 	case "idem-nocache":
-		return w.middleware(b, idem.Options{ReplayCacheBytes: -1}).Handler(benchIdemHandler(w.ledger))
+		return w.middleware(b, idem.Options{ReplayCacheBytes: -1}).Handler(benchref.IdemHandler(w.ledger))
 	case "inline":
-		return benchInlineHandler(w.db, w.table, w.ledger)
+		return benchref.InlineHandler(w.db, w.table, w.ledger)
 	case "bare":
-		return benchBareHandler(w.db, w.ledger)
+		return benchref.BareHandler(w.db, w.ledger)
 	}
 	b.Fatalf("unknown impl %q", impl)
 	return nil
@@ -545,7 +382,7 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 					defer close(done)
 					newBenchSender(m.Handler(blocking)).send(eventID, body)
 				}()
-				h = m.Handler(benchIdemHandler(w.ledger))
+				h = m.Handler(benchref.IdemHandler(w.ledger))
 			case "inline":
 				digest := sha256.Sum256(body)
 				tx, err := w.db.Begin()
@@ -564,7 +401,7 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 				}()
 				db, c := openBenchPool(b, map[string]string{"lock_timeout": "1ms"})
 				w.count = c
-				h = benchInlineHandler(db, w.table, w.ledger)
+				h = benchref.InlineHandler(db, w.table, w.ledger)
 			}
 			<-held
 			defer func() { close(release); <-done }()
@@ -686,7 +523,7 @@ func BenchmarkNoopDriver(b *testing.B) {
 				continue // bare has no duplicate path
 			}
 			b.Run("path="+path+"/impl="+impl, func(b *testing.B) {
-				c := &benchNoopConnector{dup: path == "dup", digest: digest[:], answer: benchAnswer(42, eventID)}
+				c := &benchNoopConnector{dup: path == "dup", digest: digest[:], answer: benchref.Answer(42, eventID)}
 				db := sql.OpenDB(c)
 				db.SetMaxIdleConns(4)
 				b.Cleanup(func() { db.Close() })
@@ -701,11 +538,11 @@ func BenchmarkNoopDriver(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					h = m.Handler(benchIdemHandler("ledger"))
+					h = m.Handler(benchref.IdemHandler("ledger"))
 				case "inline":
-					h = benchInlineHandler(db, "ledger_keys", "ledger")
+					h = benchref.InlineHandler(db, "ledger_keys", "ledger")
 				case "bare":
-					h = benchBareHandler(db, "ledger")
+					h = benchref.BareHandler(db, "ledger")
 				}
 				s := newBenchSender(h)
 				if st := s.send(eventID, body); st != http.StatusCreated {

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -14,10 +12,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgidem/idem/internal/benchref"
+
 	"github.com/gofiber/fiber/v3"
 	"github.com/gofiber/fiber/v3/middleware/idempotency"
 	redisstore "github.com/gofiber/storage/redis/v3"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgidem/idem"
 	"github.com/redis/go-redis/v9"
 )
@@ -37,8 +36,8 @@ const (
 )
 
 const (
-	eventHeader = "X-Event-Id"
-	source      = "bench"
+	eventHeader = benchref.EventHeader
+	source      = benchref.Source
 )
 
 // peerCaveat is printed with every report that includes the peer.
@@ -125,9 +124,9 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 	var err error
 	switch kind {
 	case kindBare:
-		err = rc.serveHTTP(bareHandler(rc.db, rc.ledger))
+		err = rc.serveHTTP(benchref.BareHandler(rc.db, rc.ledger))
 	case kindInline:
-		err = rc.serveHTTP(inlineHandler(rc.db, rc.keys, rc.ledger))
+		err = rc.serveHTTP(benchref.InlineHandler(rc.db, rc.keys, rc.ledger))
 	case kindIdem, kindIdemCold:
 		opts := idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys}
 		if kind == kindIdemCold {
@@ -136,7 +135,7 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		var m *idem.Middleware
 		m, err = idem.New(rc.db, opts)
 		if err == nil {
-			err = rc.serveHTTP(m.Handler(idemHandler(rc.ledger)))
+			err = rc.serveHTTP(m.Handler(benchref.IdemHandler(rc.ledger)))
 		}
 	case kindHTTPFloor:
 		err = rc.serveHTTP(floorHandler())
@@ -261,7 +260,7 @@ func (rc *receiver) serveFiber(e *env, withDB bool) error {
 				return c.Status(http.StatusServiceUnavailable).SendString("begin")
 			}
 			defer func() { _ = tx.Rollback() }()
-			id, err := ledgerInsert(ctx, tx, ledger, eventID, c.Body())
+			id, err := benchref.LedgerInsert(ctx, tx, ledger, eventID, c.Body())
 			if err != nil {
 				return c.Status(http.StatusInternalServerError).SendString("ledger write failed")
 			}
@@ -269,7 +268,7 @@ func (rc *receiver) serveFiber(e *env, withDB bool) error {
 				return c.Status(http.StatusServiceUnavailable).SendString("commit")
 			}
 			c.Set("Content-Type", "application/json")
-			return c.Status(http.StatusCreated).Send(ledgerAnswer(id, eventID))
+			return c.Status(http.StatusCreated).Send(benchref.Answer(id, eventID))
 		})
 	} else {
 		answer := []byte(`{"ledger_id":0,"event":"floor"}` + "\n")
@@ -294,177 +293,12 @@ func (rc *receiver) serveFiber(e *env, withDB bool) error {
 
 // ---- the handler work ---------------------------------------------------------
 
-// ledgerInsert appends one row to the ledger and returns its id.
-func ledgerInsert(ctx context.Context, tx *sql.Tx, ledger, eventID string, body []byte) (int64, error) {
-	var id int64
-	err := tx.QueryRowContext(ctx, `INSERT INTO `+ledger+` (event_id, body) VALUES ($1, $2) RETURNING id`,
-		eventID, body).Scan(&id)
-	return id, err
-}
-
-// ledgerAnswer is the handler's JSON answer.
-func ledgerAnswer(id int64, eventID string) []byte {
-	b := make([]byte, 0, 48+len(eventID))
-	b = append(b, `{"ledger_id":`...)
-	b = strconv.AppendInt(b, id, 10)
-	b = append(b, `,"event":`...)
-	b = strconv.AppendQuote(b, eventID)
-	return append(b, "}\n"...)
-}
-
-func writeJSON(w http.ResponseWriter, status int, body []byte) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_, _ = w.Write(body)
-}
-
-// idemHandler is the handler behind the middleware: the ledger write in
-// the middleware's transaction.
-func idemHandler(ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, ok := idem.Tx(r.Context())
-		if !ok {
-			http.Error(w, "no transaction", http.StatusInternalServerError)
-			return
-		}
-		key, _ := idem.KeyFromContext(r.Context())
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
-		}
-		id, err := ledgerInsert(r.Context(), tx, ledger, key.EventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		writeJSON(w, http.StatusCreated, ledgerAnswer(id, key.EventID))
-	})
-}
-
-// bareHandler is the ledger write in a plain transaction: no idempotency,
-// so a duplicate writes again.
-func bareHandler(db *sql.DB, ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ctx := r.Context()
-		eventID := r.Header.Get(eventHeader)
-		body, err := io.ReadAll(io.LimitReader(r.Body, idem.DefaultMaxBodyBytes))
-		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
-		}
-		tx, err := db.BeginTx(ctx, nil)
-		if err != nil {
-			http.Error(w, "begin", http.StatusServiceUnavailable)
-			return
-		}
-		defer func() { _ = tx.Rollback() }()
-		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		if err := tx.Commit(); err != nil {
-			http.Error(w, "commit", http.StatusServiceUnavailable)
-			return
-		}
-		writeJSON(w, http.StatusCreated, ledgerAnswer(id, eventID))
-	})
-}
-
-// inlineHandler is the seed's handler written by hand, the best a user
-// would write without a middleware: BEGIN; INSERT ... ON CONFLICT DO
-// NOTHING RETURNING; the ledger write; the UPDATE storing the answer;
-// COMMIT. A duplicate: BEGIN; the INSERT (no row); SELECT the stored
-// answer; ROLLBACK. An in-flight duplicate waits in the INSERT.
-func inlineHandler(db *sql.DB, table, ledger string) http.Handler {
-	q := `"` + table + `"`
-	claim := `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
-ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
-	lookup := `SELECT payload_digest, response_status, response_body FROM ` + q + `
-WHERE source = $1 AND event_id = $2`
-	complete := `UPDATE ` + q + `
-SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
-WHERE source = $1 AND event_id = $2`
-	const headers = `{"Content-Type": ["application/json"]}`
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ctx := r.Context()
-		eventID := r.Header.Get(eventHeader)
-		body, err := io.ReadAll(io.LimitReader(r.Body, idem.DefaultMaxBodyBytes))
-		if err != nil || eventID == "" {
-			http.Error(w, "bad request", http.StatusBadRequest)
-			return
-		}
-		digest := sha256.Sum256(body)
-		tx, err := db.BeginTx(ctx, nil)
-		if err != nil {
-			http.Error(w, "begin", http.StatusServiceUnavailable)
-			return
-		}
-		defer func() { _ = tx.Rollback() }()
-		var one int
-		err = tx.QueryRowContext(ctx, claim, source, eventID, digest[:]).Scan(&one)
-		switch {
-		case errors.Is(err, sql.ErrNoRows): // a duplicate: answer what is stored
-			var (
-				stored []byte
-				status sql.NullInt32
-				answer []byte
-			)
-			if err := tx.QueryRowContext(ctx, lookup, source, eventID).Scan(&stored, &status, &answer); err != nil {
-				http.Error(w, "lookup", http.StatusServiceUnavailable)
-				return
-			}
-			_ = tx.Rollback()
-			switch {
-			case !status.Valid:
-				http.Error(w, "in flight", http.StatusConflict)
-			case subtle.ConstantTimeCompare(stored, digest[:]) != 1:
-				http.Error(w, "payload mismatch", http.StatusUnprocessableEntity)
-			default:
-				w.Header().Set("Idempotent-Replayed", "true")
-				writeJSON(w, int(status.Int32), answer)
-			}
-			return
-		case sqlState(err) == "55P03":
-			http.Error(w, "in flight", http.StatusConflict)
-			return
-		case err != nil:
-			http.Error(w, "claim", http.StatusServiceUnavailable)
-			return
-		}
-		id, err := ledgerInsert(ctx, tx, ledger, eventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		answer := ledgerAnswer(id, eventID)
-		if _, err := tx.ExecContext(ctx, complete, source, eventID, http.StatusCreated, headers, answer); err != nil {
-			http.Error(w, "store", http.StatusServiceUnavailable)
-			return
-		}
-		if err := tx.Commit(); err != nil {
-			http.Error(w, "commit", http.StatusServiceUnavailable)
-			return
-		}
-		writeJSON(w, http.StatusCreated, answer)
-	})
-}
-
-func sqlState(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
-}
-
 // floorHandler reads the body and answers a fixed 201: no database.
 func floorHandler() http.Handler {
 	answer := []byte(`{"ledger_id":0,"event":"floor"}` + "\n")
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
-		writeJSON(w, http.StatusCreated, answer)
+		benchref.WriteJSON(w, http.StatusCreated, answer)
 	})
 }
 
