@@ -91,7 +91,7 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	require.False(t, won)
 
 	waited := make(chan error)
-	go func() { waited <- q.doWait(ctx, b, lock, 60e9) }()
+	go func() { _, err := q.doWait(ctx, b, lock, 60e9); waited <- err }()
 	require.NoError(t, q.doComplete(ctx, a, k, 201, []byte(`{}`), []byte("done")))
 	require.NoError(t, a.Commit())
 	require.NoError(t, <-waited)

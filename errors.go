@@ -24,7 +24,7 @@ var (
 	ErrInFlight = errors.New("idem: an earlier request with this key is still in progress")
 	// ErrConflict: the claim kept failing with serialization failures or
 	// deadlocks and was given up after a bounded number of tries (409).
-	ErrConflict = errors.New("idem: claim conflicted with concurrent transactions")
+	ErrConflict = errors.New("idem: the claim kept failing with serialization failures or deadlocks")
 	// ErrPayloadMismatch: the key was completed for a different request body
 	// (422).
 	ErrPayloadMismatch = errors.New("idem: key reused with a different request body")
@@ -111,8 +111,8 @@ func problemFor(err error) *Problem {
 		p.Status, p.Type, p.Title = http.StatusConflict, "in-flight", "Request in progress"
 		p.Detail = "An earlier request with this key is still being processed; retry later."
 	case errors.Is(err, ErrConflict):
-		p.Status, p.Type, p.Title = http.StatusConflict, "conflict", "Concurrent request conflict"
-		p.Detail = "The request conflicted with a concurrent one; retry later."
+		p.Status, p.Type, p.Title = http.StatusConflict, "conflict", "Serialization failure or deadlock"
+		p.Detail = "Claiming the key kept failing with database serialization failures or deadlocks; retry later."
 	case errors.Is(err, ErrHandlerTimeout):
 		p.Status, p.Type, p.Title = http.StatusServiceUnavailable, "timeout", "Processing timed out"
 		p.Detail = "Processing took too long and was rolled back; retry later."

@@ -251,15 +251,21 @@ func TestSmallPoolNeverDeadlocks(t *testing.T) {
 			<-entered // the original holds a connection, mid-handler
 			dup, other := make(chan reply), make(chan reply)
 			go func() { dup <- f.post("evt_1", "{}") }()
-			if size == 2 {
-				// The duplicate holds the second connection, parked on the
-				// original's lock.
-				waitForLockWaiter(t, f.db)
-			}
+			// The duplicate waits for the original in memory, holding no
+			// connection.
+			f.waitForWaiters(1)
 			go func() { other <- f.post("evt_2", "{}") }()
-			// Every connection is taken: the new event waits in the pool
-			// (and with one connection, so does the duplicate).
-			waitForPoolWaiters(t, pool, int64(3-size))
+			if size == 1 {
+				// The original holds the only connection: the new event
+				// waits in the pool.
+				waitForPoolWaiters(t, pool, 1)
+			} else {
+				// The second connection is free for it: it is served while
+				// the original and its duplicate are still waiting.
+				o := <-other
+				require.Equal(t, http.StatusCreated, o.status, "%s", o.body)
+				go func() { other <- o }()
+			}
 			close(release)
 
 			o := <-orig

@@ -27,6 +27,7 @@ type fixture struct {
 	ledger string
 	mw     *idem.Middleware
 	srv    *httptest.Server
+	inner  http.Handler // the handler behind f.mw, counting its runs
 	runs   atomic.Int64 // how often the inner handler ran
 
 	mu   sync.Mutex
@@ -77,9 +78,39 @@ func newFixtureOn(t testing.TB, pool *sql.DB, opts idem.Options, inner http.Hand
 		f.runs.Add(1)
 		inner.ServeHTTP(w, r)
 	})
+	f.inner = counted
 	f.srv = httptest.NewServer(f.mw.Handler(counted))
 	t.Cleanup(f.srv.Close)
 	return f
+}
+
+// serveOn runs f's handler behind another middleware instance on f's table
+// (opts.KeyFunc and opts.Table default to f's), as another process would.
+func (f *fixture) serveOn(pool *sql.DB, opts idem.Options) (*idem.Middleware, *httptest.Server) {
+	f.t.Helper()
+	if opts.KeyFunc == nil {
+		opts.KeyFunc = idem.Header("test", "X-Event-Id")
+	}
+	if opts.Table == "" {
+		opts.Table = f.table
+	}
+	mw, err := idem.New(pool, opts)
+	require.NoError(f.t, err)
+	srv := httptest.NewServer(recoverer(mw.Handler(f.inner)))
+	f.t.Cleanup(srv.Close)
+	return mw, srv
+}
+
+// recoverer answers a panic with 500, as a router's recoverer does.
+func recoverer(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			if recover() != nil {
+				w.WriteHeader(http.StatusInternalServerError)
+			}
+		}()
+		next.ServeHTTP(w, r)
+	})
 }
 
 // ledgerHandler appends the request to the ledger inside the middleware's

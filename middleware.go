@@ -28,8 +28,8 @@ const (
 )
 
 // maxClaimAttempts bounds how often one request begins a claim transaction:
-// retries after serialization failures or deadlocks, and after waiting for an
-// original that rolled back.
+// only serialization failures and deadlocks (REPEATABLE READ, SERIALIZABLE,
+// or the handler's own locks in another transaction) make it try again.
 const maxClaimAttempts = 4
 
 // DefaultReplayHeaders are the response headers stored and replayed when
@@ -60,8 +60,11 @@ type Options struct {
 
 	// LockWait is the longest a duplicate waits for an in-flight original to
 	// finish before it is answered 409 with Retry-After: 0 means
-	// DefaultLockWait (2s); a negative value answers 409 at once. The wait
-	// holds one pooled connection; keep it under the sender's timeout.
+	// DefaultLockWait (2s); a negative value answers 409 at once. Keep it
+	// under the sender's timeout. Duplicates of an original running on this
+	// instance wait in memory; for an original on another instance, one
+	// duplicate per key waits in PostgreSQL, holding a pooled connection,
+	// and at most a quarter of the pool's cap waits there at once.
 	LockWait time.Duration
 
 	// Methods are the request methods the middleware makes idempotent; other
@@ -94,12 +97,13 @@ type Options struct {
 	// 409 and 503 answers. 0 means DefaultRetryAfter (1s).
 	RetryAfter time.Duration
 
-	// HandlerTimeout bounds the whole transaction: claim, handler, store and
-	// commit. The handler's request context is detached from the client's
-	// connection (a client that hangs up does not cancel the work, so its
-	// redelivery gets the replay) and carries this deadline instead; when it
-	// passes, the transaction is rolled back and the answer is 503.
-	// 0 means DefaultHandlerTimeout (30s).
+	// HandlerTimeout bounds the handler, storing its answer and the commit,
+	// from when the key is claimed (a wait for an original before that is
+	// bounded by LockWait). The handler's request context is detached from
+	// the client's connection (a client that hangs up does not cancel the
+	// work, so its redelivery gets the replay) and carries this deadline
+	// instead; when it passes, the transaction is rolled back and the answer
+	// is 503. 0 means DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
 	// TxOptions are passed to BeginTx for the claim transaction. nil means
@@ -163,12 +167,15 @@ const (
 	// OutcomeRejected: the request was refused before any claim (400, 413).
 	OutcomeRejected
 	// OutcomeStoreError: the database failed to begin, claim, store or
-	// commit (503), or the claim kept conflicting (409); nothing was
-	// committed.
+	// commit (503); nothing was committed.
 	OutcomeStoreError
+	// OutcomeConflict: the claim kept failing with serialization failures
+	// or deadlocks and was given up (409); nothing was committed. Unlike
+	// OutcomeInFlight, no original was seen running.
+	OutcomeConflict
 )
 
-var outcomeNames = [...]string{"", "completed", "replayed", "in_flight", "mismatch", "rolled_back", "rejected", "store_error"}
+var outcomeNames = [...]string{"", "completed", "replayed", "in_flight", "mismatch", "rolled_back", "rejected", "store_error", "conflict"}
 
 // String returns the outcome's name in snake case, for metric labels.
 func (o Outcome) String() string {
@@ -210,6 +217,8 @@ type Middleware struct {
 	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
 	observer       func(Observation)
 	cache          *replayCache
+	flights        flights   // the deliveries of each key running on this instance
+	waiting        waitSlots // claims waiting in PostgreSQL for an original
 }
 
 // New validates opts and returns a Middleware that claims keys in db, which
@@ -413,24 +422,50 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	x.obs.Key = key
 	digest := sha256.Sum256(body)
 
-	if s, ok := m.cache.get(key, x.start); ok {
-		x.obs.Cached = true
-		if subtle.ConstantTimeCompare(s.digest, digest[:]) != 1 {
-			x.fail(OutcomeMismatch, problemFor(ErrPayloadMismatch))
-			return
-		}
-		x.replay(s)
+	if x.replayCached(key, digest[:], x.start) {
 		return
 	}
 
 	// The work is not tied to the client's connection: a client that hangs
 	// up mid-handler must not roll back work that its redelivery would then
-	// redo. HandlerTimeout bounds it instead.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.handlerTimeout)
-	defer cancel()
+	// redo. LockWait bounds the waits, HandlerTimeout the handler.
+	ctx := context.WithoutCancel(r.Context())
 
-	c := m.claim(ctx, key, digest[:])
-	x.obs.Wait = c.waited
+	// One delivery of a key at a time on this instance: the others wait in
+	// memory, holding no connection, and then usually find the answer in the
+	// replay cache.
+	var deadline time.Time // LockWait counts from when the key is first found in flight
+	for {
+		busy := m.flights.enter(key)
+		if busy == nil {
+			break
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(m.lockWait)
+		}
+		if m.lockWait == 0 {
+			x.fail(OutcomeInFlight, problemFor(ErrInFlight))
+			return
+		}
+		waitStart := time.Now()
+		done := m.flights.await(busy, deadline)
+		x.obs.Wait += time.Since(waitStart)
+		if !done {
+			x.fail(OutcomeInFlight, problemFor(ErrInFlight))
+			return
+		}
+		if x.replayCached(key, digest[:], time.Now()) {
+			return
+		}
+	}
+	defer m.flights.leave(key)
+
+	// The transaction may first wait (LockWait) for an original on another
+	// instance, then run the handler (HandlerTimeout).
+	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
+	defer cancel()
+	c := m.claim(ctx, key, digest[:], deadline)
+	x.obs.Wait += c.waited
 	switch {
 	case c.problem != nil:
 		x.fail(c.outcome, c.problem)
@@ -441,6 +476,22 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	m.run(ctx, x, c.tx, key, body, next)
+}
+
+// replayCached answers from the replay cache, if it holds the key: the
+// stored answer, or 422 for another body. It reports whether it answered.
+func (x *exchange) replayCached(key Key, digest []byte, now time.Time) bool {
+	s, ok := x.m.cache.get(key, now)
+	if !ok {
+		return false
+	}
+	x.obs.Cached = true
+	if subtle.ConstantTimeCompare(s.digest, digest) != 1 {
+		x.fail(OutcomeMismatch, problemFor(ErrPayloadMismatch))
+		return true
+	}
+	x.replay(s)
+	return true
 }
 
 // readBody reads the whole request body, bounded by MaxBodyBytes.
@@ -508,94 +559,121 @@ type claimResult struct {
 	waited  time.Duration
 }
 
+// errWaitOver ends a duplicate's wait for an original still in flight when
+// LockWait runs out: it is answered 409.
+var errWaitOver = errors.New("idem: LockWait ran out")
+
 // claim begins the transaction and claims the key. A duplicate of a key in
-// flight waits, at most LockWait from when it first finds the key in flight,
-// for the original to end: then it replays the original's answer, or, if the original rolled
-// back, claims the key anew.
-func (m *Middleware) claim(ctx context.Context, k Key, digest []byte) (res claimResult) {
+// flight waits for the original to end, until deadline (LockWait from when
+// the key is first found in flight; set here when zero): then it replays the
+// original's answer, or, if the original rolled back, claims the key in the
+// same transaction, which holds the key's lock by then. Only serialization
+// failures and deadlocks begin the claim anew, a bounded number of times.
+func (m *Middleware) claim(ctx context.Context, k Key, digest []byte, deadline time.Time) (res claimResult) {
 	lock := m.table.lockID(k)
-	var deadline time.Time // set when the key is first found in flight
 	storeErr := func(err error) claimResult {
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
 		return res
 	}
 	var lastErr error
 	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
-		if ctx.Err() != nil {
-			return storeErr(ctx.Err())
+		if err := ctx.Err(); err != nil {
+			return storeErr(err)
 		}
 		tx, err := m.db.BeginTx(ctx, m.txOptions)
 		if err != nil {
 			return storeErr(err)
 		}
 		won, err := m.q.doClaim(ctx, tx, k, digest, lock)
+		if err == nil && !won {
+			// Nothing inserted: the key is completed or in flight. A new
+			// statement reads its row and whether its lock is free.
+			var row claimRow
+			row, err = m.q.doLookup(ctx, tx, k, lock)
+			if err == nil && !row.visible && !row.gotLock {
+				tx, row, err = m.waitForOriginal(ctx, tx, k, lock, &deadline, &res.waited)
+			}
+			if err == nil && row.visible {
+				_ = tx.Rollback()
+				return m.answerStored(res, row, digest)
+			}
+			if err == nil {
+				// No row, and the key's lock is this transaction's: the
+				// original rolled back. Claim the key here.
+				won, err = m.q.doClaim(ctx, tx, k, digest, lock)
+			}
+		}
 		if err == nil && won {
 			res.tx = tx
 			return res
 		}
-		var row claimRow
-		if err == nil {
-			// Nothing inserted: the key is completed or in flight. A new
-			// statement reads its row and whether its lock is free.
-			row, err = m.q.doLookup(ctx, tx, k, lock)
-		}
-		if err != nil {
+		if tx != nil {
 			_ = tx.Rollback()
-			if retryable(err) {
-				lastErr = err
-				continue
-			}
-			return storeErr(err)
 		}
 		switch {
-		case row.visible:
-			_ = tx.Rollback()
-			return m.answerStored(res, row, digest)
-		case row.gotLock:
-			// No row, and nobody holds the lock: the original ended without
-			// committing (rolled back) since the claim ran, or the snapshot
-			// is the transaction's (REPEATABLE READ or SERIALIZABLE) and
-			// cannot see the row. Claim again in a new transaction.
-			_ = tx.Rollback()
-			continue
-		}
-		// In flight: another transaction holds the key's lock.
-		if deadline.IsZero() {
-			deadline = time.Now().Add(m.lockWait)
-		}
-		remaining := time.Until(deadline)
-		if remaining <= 0 {
-			_ = tx.Rollback()
+		case errors.Is(err, errWaitOver):
 			res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
 			return res
-		}
-		waitStart := time.Now()
-		err = m.q.doWait(ctx, tx, lock, remaining)
-		res.waited += time.Since(waitStart)
-		if err == nil {
-			row, err = m.q.doLookup(ctx, tx, k, lock)
-		}
-		_ = tx.Rollback()
-		switch {
-		case sqlState(err) == "55P03": // lock_not_available: LockWait ran out
-			res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
-			return res
-		case err != nil && retryable(err):
+		case retryable(err):
 			lastErr = err
-			continue
 		case err != nil:
 			return storeErr(err)
-		case row.visible:
-			return m.answerStored(res, row, digest)
+		default:
+			// Under the key's lock no row was visible, and yet the claim
+			// inserted none: at REPEATABLE READ or SERIALIZABLE the snapshot
+			// can predate the original's commit. A new transaction sees it.
+			lastErr = errors.New("idem: the key's row is invisible to the transaction's snapshot")
 		}
-		// The original rolled back (or is invisible to this snapshot):
-		// claim again.
 	}
-	if lastErr == nil {
-		lastErr = errors.New("idem: claim attempts exhausted")
-	}
-	res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrConflict, lastErr)), OutcomeStoreError
+	res.problem, res.outcome = problemFor(fmt.Errorf("%w: %d attempts: %w", ErrConflict, maxClaimAttempts, lastErr)), OutcomeConflict
 	return res
+}
+
+// waitForOriginal waits, holding a pooled connection, for the original that
+// holds the key's lock to end, then reads the key's row with a new statement
+// (a statement's snapshot predates its own wait) and gives the transaction
+// back its own lock_timeout. On success the lock is the transaction's. At
+// most waitLimit claims wait in PostgreSQL at once; the others wait for a
+// slot in memory, having given their connection back. When deadline passes
+// first, the error is errWaitOver; tx may then be nil.
+func (m *Middleware) waitForOriginal(ctx context.Context, tx *sql.Tx, k Key, lock int64, deadline *time.Time, waited *time.Duration) (*sql.Tx, claimRow, error) {
+	if deadline.IsZero() {
+		*deadline = time.Now().Add(m.lockWait)
+	}
+	start := time.Now()
+	defer func() { *waited += time.Since(start) }()
+	if time.Until(*deadline) <= 0 {
+		return tx, claimRow{}, errWaitOver
+	}
+	limit := waitLimit(m.db.Stats().MaxOpenConnections)
+	if !m.waiting.tryAcquire(limit) {
+		_ = tx.Rollback()
+		if !m.waiting.acquire(ctx, limit, *deadline) {
+			if err := ctx.Err(); err != nil {
+				return nil, claimRow{}, err
+			}
+			return nil, claimRow{}, errWaitOver
+		}
+		var err error
+		if tx, err = m.db.BeginTx(ctx, m.txOptions); err != nil {
+			m.waiting.release()
+			return nil, claimRow{}, err
+		}
+	}
+	defer m.waiting.release()
+	remaining := time.Until(*deadline)
+	if remaining <= 0 {
+		return tx, claimRow{}, errWaitOver
+	}
+	old, err := m.q.doWait(ctx, tx, lock, remaining)
+	if sqlState(err) == "55P03" { // lock_not_available: LockWait ran out
+		return tx, claimRow{}, errWaitOver
+	}
+	if err != nil {
+		return tx, claimRow{}, err
+	}
+	row, err := m.q.doLookupRestoring(ctx, tx, k, lock, old)
+	return tx, row, err
 }
 
 // answerStored turns a committed row into a replay, a 422, or, for a row
@@ -624,8 +702,10 @@ func retryable(err error) bool {
 }
 
 // run calls the handler inside the claim's transaction, then commits its
-// answer or rolls everything back.
+// answer or rolls everything back, all within HandlerTimeout.
 func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body []byte, next http.Handler) {
+	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
+	defer cancel()
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent

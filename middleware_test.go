@@ -344,7 +344,7 @@ func TestInFlightDuplicateWaitsThenReplays(t *testing.T) {
 	dup := f.postAsync("evt_1", "{}")
 	// Wait until the duplicate is blocked on the original's lock, then let
 	// the original finish.
-	waitForLockWaiter(t, f.db)
+	f.waitForWaiters(1)
 	g.open()
 	o, d := <-orig, <-dup
 	require.Equal(t, http.StatusCreated, o.status)
@@ -408,7 +408,7 @@ func TestDuplicateOfRolledBackOriginalClaimsAnew(t *testing.T) {
 	}))
 	orig := f.startOriginal(g, "evt_1", "{}")
 	dup := f.postAsync("evt_1", "{}")
-	waitForLockWaiter(t, f.db)
+	f.waitForWaiters(1)
 	g.open()
 	assert.Equal(t, http.StatusServiceUnavailable, (<-orig).status)
 	d := <-dup
@@ -426,10 +426,33 @@ func TestInFlightDuplicateWithDifferentBodyGets422AfterTheWait(t *testing.T) {
 	}))
 	orig := f.startOriginal(g, "evt_1", `{"v":1}`)
 	dup := f.postAsync("evt_1", `{"v":2}`)
-	waitForLockWaiter(t, f.db)
+	f.waitForWaiters(1)
 	g.open()
 	require.Equal(t, http.StatusCreated, (<-orig).status)
 	assert.Equal(t, http.StatusUnprocessableEntity, (<-dup).status)
+}
+
+// waitForWaiters returns when n duplicates wait for an original: in this
+// instance's memory (a duplicate of an original running on the same
+// instance) or in PostgreSQL, on the key's advisory lock.
+func (f *fixture) waitForWaiters(n int) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for {
+		var inDB int
+		err := f.db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()`).Scan(&inDB)
+		require.NoError(f.t, err)
+		if int64(inDB)+idem.LocalWaiters(f.mw) >= int64(n) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			f.t.Fatalf("%d duplicates did not start waiting for the original", n)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 // waitForLockWaiter returns when some backend of the test database waits on
@@ -585,7 +608,11 @@ func TestSerializationFailuresInTheClaimAreRetried(t *testing.T) {
 			assert.Equal(t, tc.runs, f.runs.Load())
 			if tc.want == http.StatusConflict {
 				assert.NotEmpty(t, r.header.Get("Retry-After"))
-				assert.ErrorIs(t, f.observations()[0].Err, idem.ErrConflict)
+				obs := f.observations()[0]
+				assert.ErrorIs(t, obs.Err, idem.ErrConflict)
+				assert.Equal(t, idem.OutcomeConflict, obs.Outcome, "told apart from a 409 in flight")
+				assert.Contains(t, obs.Err.Error(), "serialization", "the cause is named")
+				assert.Equal(t, "Serialization failure or deadlock", problemDoc(t, r)["title"])
 				assert.Equal(t, 0, f.keys())
 			}
 		})

@@ -153,7 +153,7 @@ func (t table) lockID(k Key) int64 { return lockID(t.rel, k.Source, k.EventID) }
 
 // queries holds the SQL for one table, built once in New.
 type queries struct {
-	claim, lookup, wait, complete string
+	claim, lookup, lookupRestoring, wait, complete string
 }
 
 func newQueries(t table) queries {
@@ -181,10 +181,20 @@ RETURNING true`,
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
 
+		// The lookup after a wait, which gives the transaction back the
+		// lock_timeout it had before: the claim may go on to run the
+		// handler in this transaction.
+		lookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
+       r.response_body, r.completed_at IS NOT NULL, set_config('lock_timeout', $4, true)
+FROM (VALUES (1)) AS one
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+
 		// Wait for the claim in flight to end, at most lock_timeout: it is
-		// set for this transaction only, before the lock is requested.
-		wait: `WITH s AS MATERIALIZED (SELECT set_config('lock_timeout', $2, true))
-SELECT pg_advisory_xact_lock($1) FROM s`,
+		// set for this transaction only, before the lock is requested, and
+		// its value before is returned, for lookupRestoring.
+		wait: `WITH o AS MATERIALIZED (SELECT current_setting('lock_timeout') AS old),
+     s AS MATERIALIZED (SELECT o.old, set_config('lock_timeout', $2, true) FROM o)
+SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 
 		// completed_at IS NULL: a second completion changes nothing.
 		complete: `UPDATE ` + q + `
@@ -222,15 +232,29 @@ func (q *queries) doClaim(ctx context.Context, tx *sql.Tx, k Key, digest []byte,
 // doLookup reads the key's row and the state of its lock. A missing row is
 // visible == false, not an error.
 func (q *queries) doLookup(ctx context.Context, tx *sql.Tx, k Key, lock int64) (claimRow, error) {
+	return scanClaimRow(tx.QueryRowContext(ctx, q.lookup, k.Source, k.EventID, lock), nil)
+}
+
+// doLookupRestoring is doLookup after doWait: it also sets lock_timeout back
+// to old, its value before the wait.
+func (q *queries) doLookupRestoring(ctx context.Context, tx *sql.Tx, k Key, lock int64, old string) (claimRow, error) {
+	var restored string
+	return scanClaimRow(tx.QueryRowContext(ctx, q.lookupRestoring, k.Source, k.EventID, lock, old), &restored)
+}
+
+// scanClaimRow reads a lookup's row; extra receives a trailing column.
+func scanClaimRow(r *sql.Row, extra any) (claimRow, error) {
 	var (
 		c       claimRow
 		status  sql.NullInt32
 		headers []byte
 		done    sql.NullBool
 	)
-	err := tx.QueryRowContext(ctx, q.lookup, k.Source, k.EventID, lock).
-		Scan(&c.gotLock, &c.stored.digest, &status, &headers, &c.stored.body, &done)
-	if err != nil {
+	dest := []any{&c.gotLock, &c.stored.digest, &status, &headers, &c.stored.body, &done}
+	if extra != nil {
+		dest = append(dest, extra)
+	}
+	if err := r.Scan(dest...); err != nil {
 		return c, err
 	}
 	c.visible = c.stored.digest != nil
@@ -238,6 +262,7 @@ func (q *queries) doLookup(ctx context.Context, tx *sql.Tx, k Key, lock int64) (
 	if c.completed {
 		c.stored.status = int(status.Int32)
 		if len(headers) > 0 {
+			var err error
 			if c.stored.header, err = parseHeaderJSON(headers); err != nil {
 				return c, err
 			}
@@ -249,13 +274,17 @@ func (q *queries) doLookup(ctx context.Context, tx *sql.Tx, k Key, lock int64) (
 	return c, nil
 }
 
-func (q *queries) doWait(ctx context.Context, tx *sql.Tx, lock int64, wait time.Duration) error {
+// doWait waits for the key's lock, at most wait, and returns lock_timeout's
+// value before the wait.
+func (q *queries) doWait(ctx context.Context, tx *sql.Tx, lock int64, wait time.Duration) (string, error) {
 	ms := wait.Milliseconds()
 	if ms < 1 {
 		ms = 1 // lock_timeout 0 would mean "wait forever"
 	}
-	_, err := tx.ExecContext(ctx, q.wait, lock, strconv.FormatInt(ms, 10)+"ms")
-	return err
+	var old string
+	var locked sql.NullString
+	err := tx.QueryRowContext(ctx, q.wait, lock, strconv.FormatInt(ms, 10)+"ms").Scan(&old, &locked)
+	return old, err
 }
 
 func (q *queries) doComplete(ctx context.Context, tx *sql.Tx, k Key, status int, headers []byte, body []byte) error {

@@ -13,7 +13,7 @@
 //   - idem_requests_total{source,outcome,code}: a counter of the requests the
 //     middleware handled, by the key's source (empty when the request was
 //     rejected before its key was known), the outcome (completed, replayed,
-//     in_flight, mismatch, rolled_back, rejected, store_error) and the HTTP
+//     in_flight, mismatch, rolled_back, rejected, store_error, conflict) and the HTTP
 //     status sent ("0" when the handler panicked and nothing was sent).
 //   - idem_request_duration_seconds{outcome}: a histogram of the time from the
 //     middleware's start to its answer.
