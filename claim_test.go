@@ -5,6 +5,9 @@ import (
 	"crypto/sha256"
 	"database/sql"
 	"testing"
+	"time"
+
+	"github.com/pgidem/idem/internal/driver"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,48 +22,34 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	q := newQueries(tbl)
+	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.quoted)}
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_91f2"}
-	body := []byte(`{"order_id":"o1"}`)
-	digest := sha256.Sum256(body)
-	lock := tbl.lockID(k)
+	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
+	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, err := db.BeginTx(ctx, nil)
+	a, begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	defer a.Rollback() //nolint:errcheck // ends a finished tx in the failure paths only
-	b, err := db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	defer b.Rollback() //nolint:errcheck
+	defer a.Rollback(ctx) //nolint:errcheck // ends a finished tx in the failure paths only
+	assert.True(t, begun.Won, "A wins the free key")
 
-	won, err := q.doClaim(ctx, a, k, digest[:], lock)
-	require.NoError(t, err)
-	assert.True(t, won, "A wins the free key")
-
-	won, err = q.doClaim(ctx, b, k, digest[:], lock)
+	b, busy, err := d.Begin(ctx, args)
 	require.NoError(t, err, "B neither blocks nor fails on A's uncommitted row")
-	assert.False(t, won)
-	busy, err := q.doLookup(ctx, b, k, lock)
-	require.NoError(t, err)
-	assert.False(t, busy.gotLock, "B sees the claim in flight")
-	assert.False(t, busy.visible, "A's uncommitted row is invisible to B")
-	require.NoError(t, b.Rollback())
+	assert.False(t, busy.Won)
+	assert.False(t, busy.Row.GotLock, "B sees the claim in flight")
+	assert.False(t, busy.Row.Visible, "A's uncommitted row is invisible to B")
+	require.NoError(t, b.Rollback(ctx))
 
-	require.NoError(t, q.doComplete(ctx, a, k, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
-	require.NoError(t, a.Commit())
+	require.NoError(t, a.Commit(ctx, args, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
 
-	c, err := db.BeginTx(ctx, nil)
+	c, done, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	defer c.Rollback() //nolint:errcheck
-	won, err = q.doClaim(ctx, c, k, digest[:], lock)
-	require.NoError(t, err)
-	assert.False(t, won, "a completed key is never claimed again")
-	done, err := q.doLookup(ctx, c, k, lock)
-	require.NoError(t, err)
-	assert.True(t, done.completed, "and its answer is there")
-	assert.Equal(t, []byte(`{"status":"recorded"}`), done.stored.body)
-	assert.Equal(t, 200, done.stored.status)
-	assert.Equal(t, digest[:], done.stored.digest)
+	defer c.Rollback(ctx) //nolint:errcheck
+	assert.False(t, done.Won, "a completed key is never claimed again")
+	assert.True(t, done.Row.Completed, "and its answer is there")
+	assert.Equal(t, []byte(`{"status":"recorded"}`), done.Row.Body)
+	assert.Equal(t, 200, done.Row.Status)
+	assert.Equal(t, digest[:], done.Row.Digest)
 }
 
 // The snapshot trap of DESIGN-NOTES: a statement that waited for a
@@ -71,38 +60,39 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	q := newQueries(tbl)
+	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.quoted), opts: &sql.TxOptions{Isolation: sql.LevelReadCommitted}}
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_wait"}
 	digest := sha256.Sum256([]byte("x"))
-	lock := tbl.lockID(k)
+	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, err := db.BeginTx(ctx, nil)
+	a, begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	won, err := q.doClaim(ctx, a, k, digest[:], lock)
-	require.NoError(t, err)
-	require.True(t, won)
+	require.True(t, begun.Won)
 
-	b, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	b, busy, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	defer b.Rollback() //nolint:errcheck
-	won, err = q.doClaim(ctx, b, k, digest[:], lock)
-	require.NoError(t, err)
-	require.False(t, won)
+	defer b.Rollback(ctx) //nolint:errcheck
+	require.False(t, busy.Won)
 
 	waited := make(chan error)
-	go func() { _, err := q.doWait(ctx, b, lock, 60e9); waited <- err }()
-	require.NoError(t, q.doComplete(ctx, a, k, 201, []byte(`{}`), []byte("done")))
-	require.NoError(t, a.Commit())
+	var old string
+	go func() {
+		var err error
+		old, err = b.Wait(ctx, args.Lock, time.Minute)
+		waited <- err
+	}()
+	require.NoError(t, a.Commit(ctx, args, 201, []byte(`{}`), []byte("done")))
 	require.NoError(t, <-waited)
+	assert.Equal(t, "0", old, "lock_timeout before the wait")
 
-	row, err := q.doLookup(ctx, b, k, lock)
+	row, err := b.LookupRestoring(ctx, args, old)
 	require.NoError(t, err)
-	assert.True(t, row.gotLock)
-	assert.True(t, row.visible)
-	assert.True(t, row.completed)
-	assert.Equal(t, 201, row.stored.status)
-	assert.Equal(t, []byte("done"), row.stored.body)
+	assert.True(t, row.GotLock)
+	assert.True(t, row.Visible)
+	assert.True(t, row.Completed)
+	assert.Equal(t, 201, row.Status)
+	assert.Equal(t, []byte("done"), row.Body)
 }
 
 func TestLockIDIgnoresHowTheTableIsSpelled(t *testing.T) {

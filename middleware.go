@@ -14,6 +14,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // Defaults for the zero values of Options.
@@ -200,9 +202,8 @@ type Observation struct {
 // Middleware makes handlers idempotent; build it with New and wrap handlers
 // with its Handler method. It is safe for concurrent use.
 type Middleware struct {
-	db             *sql.DB
+	drv            driver.Driver
 	table          table
-	q              queries
 	keyFunc        KeyFunc
 	lockWait       time.Duration
 	methods        []string
@@ -212,7 +213,6 @@ type Middleware struct {
 	replayHeaders  []string
 	retryAfter     string
 	handlerTimeout time.Duration
-	txOptions      *sql.TxOptions
 	logger         *slog.Logger
 	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
 	observer       func(Observation)
@@ -224,10 +224,32 @@ type Middleware struct {
 // New validates opts and returns a Middleware that claims keys in db, which
 // must be a PostgreSQL database (tested with github.com/jackc/pgx/v5/stdlib)
 // where Migrate has created the table. New does not touch the database.
+// For a pgx pool, use github.com/pgidem/idem/idempgx instead.
 func New(db *sql.DB, opts Options) (*Middleware, error) {
 	if db == nil {
 		return nil, errors.New("idem: New needs a *sql.DB")
 	}
+	return newMiddleware(func(q driver.Queries) driver.Driver {
+		return &sqlDriver{db: db, q: q, opts: opts.TxOptions}
+	}, opts)
+}
+
+func init() {
+	driver.NewMiddleware = func(newDriver func(driver.Queries) driver.Driver, opts any) (any, error) {
+		return newMiddleware(newDriver, opts.(Options))
+	}
+	driver.HandleFromContext = func(ctx context.Context) (any, bool) {
+		s, ok := ctx.Value(ctxKey{}).(*reqState)
+		if !ok {
+			return nil, false
+		}
+		return s.tx, true
+	}
+}
+
+// newMiddleware validates opts and builds the engine on the driver that
+// newDriver makes for the table's queries.
+func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (*Middleware, error) {
 	if opts.KeyFunc == nil {
 		return nil, errors.New("idem: Options.KeyFunc is required")
 	}
@@ -236,15 +258,13 @@ func New(db *sql.DB, opts Options) (*Middleware, error) {
 		return nil, err
 	}
 	m := &Middleware{
-		db:             db,
+		drv:            newDriver(driver.NewQueries(t.quoted)),
 		table:          t,
-		q:              newQueries(t),
 		keyFunc:        opts.KeyFunc,
 		lockWait:       opts.LockWait,
 		maxBody:        opts.MaxBodyBytes,
 		cacheStatus:    opts.CacheStatus,
 		handlerTimeout: opts.HandlerTimeout,
-		txOptions:      opts.TxOptions,
 		logger:         opts.Logger,
 		errorHandler:   opts.ErrorHandler,
 		observer:       opts.Observer,
@@ -332,7 +352,7 @@ type ctxKey struct{}
 
 // reqState is what the middleware puts in the handler's context.
 type reqState struct {
-	tx  *sql.Tx
+	tx  any // the adapter's transaction: *sql.Tx here, pgx.Tx in idempgx
 	key Key
 }
 
@@ -341,13 +361,15 @@ type reqState struct {
 // the stored response, or roll back with them. The middleware owns the
 // transaction: never call Commit or Rollback on it. ok is false outside an
 // idempotent request (a method the middleware does not cover, or no
-// middleware at all).
+// middleware at all, or a middleware of package idempgx, whose handlers
+// get a pgx.Tx from idempgx.Tx).
 func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok {
 		return nil, false
 	}
-	return s.tx, true
+	tx, ok = s.tx.(*sql.Tx)
+	return tx, ok
 }
 
 // KeyFromContext returns the key of the current idempotent request.
@@ -390,8 +412,9 @@ type exchange struct {
 	r     *http.Request
 	start time.Time
 	obs   Observation
-	state reqState   // what the handler's context carries
-	body  bodyReader // the handler's r.Body
+	state reqState    // what the handler's context carries
+	body  bodyReader  // the handler's r.Body
+	args  driver.Args // the key's claim
 }
 
 // bodyReader replays the buffered request body to the handler.
@@ -464,7 +487,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	// instance, then run the handler (HandlerTimeout).
 	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
 	defer cancel()
-	c := m.claim(ctx, key, digest[:], deadline)
+	x.args = driver.Args{Source: key.Source, EventID: key.EventID, Digest: digest[:], Lock: m.table.lockID(key)}
+	c := m.claim(ctx, &x.args, deadline)
 	x.obs.Wait += c.waited
 	switch {
 	case c.problem != nil:
@@ -552,7 +576,7 @@ func keyProblem(err error) *Problem {
 // claimResult is the outcome of claiming a key: exactly one of tx (we own
 // the key: run the handler), replay (a completed answer) or problem is set.
 type claimResult struct {
-	tx      *sql.Tx
+	tx      driver.Tx
 	replay  *stored
 	problem *Problem
 	outcome Outcome
@@ -569,8 +593,7 @@ var errWaitOver = errors.New("idem: LockWait ran out")
 // original's answer, or, if the original rolled back, claims the key in the
 // same transaction, which holds the key's lock by then. Only serialization
 // failures and deadlocks begin the claim anew, a bounded number of times.
-func (m *Middleware) claim(ctx context.Context, k Key, digest []byte, deadline time.Time) (res claimResult) {
-	lock := m.table.lockID(k)
+func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Time) (res claimResult) {
 	storeErr := func(err error) claimResult {
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
 		return res
@@ -580,27 +603,28 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte, deadline t
 		if err := ctx.Err(); err != nil {
 			return storeErr(err)
 		}
-		tx, err := m.db.BeginTx(ctx, m.txOptions)
+		tx, begun, err := m.drv.Begin(ctx, a)
 		if err != nil {
+			if retryable(err) {
+				lastErr = err
+				continue
+			}
 			return storeErr(err)
 		}
-		won, err := m.q.doClaim(ctx, tx, k, digest, lock)
+		if !begun.Won && !begun.Row.Visible && !begun.Row.GotLock {
+			// Nothing inserted and the lock is taken: in flight.
+			tx, begun, err = m.waitForOriginal(ctx, tx, a, &deadline, &res.waited)
+		}
+		won, row := begun.Won, begun.Row
 		if err == nil && !won {
-			// Nothing inserted: the key is completed or in flight. A new
-			// statement reads its row and whether its lock is free.
-			var row claimRow
-			row, err = m.q.doLookup(ctx, tx, k, lock)
-			if err == nil && !row.visible && !row.gotLock {
-				tx, row, err = m.waitForOriginal(ctx, tx, k, lock, &deadline, &res.waited)
+			if row.Visible {
+				_ = tx.Rollback(ctx)
+				return m.answerStored(res, row, a.Digest)
 			}
-			if err == nil && row.visible {
-				_ = tx.Rollback()
-				return m.answerStored(res, row, digest)
-			}
-			if err == nil {
+			{
 				// No row, and the key's lock is this transaction's: the
 				// original rolled back. Claim the key here.
-				won, err = m.q.doClaim(ctx, tx, k, digest, lock)
+				won, err = tx.Claim(ctx, a)
 			}
 		}
 		if err == nil && won {
@@ -608,7 +632,7 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte, deadline t
 			return res
 		}
 		if tx != nil {
-			_ = tx.Rollback()
+			_ = tx.Rollback(ctx)
 		}
 		switch {
 		case errors.Is(err, errWaitOver):
@@ -636,57 +660,73 @@ func (m *Middleware) claim(ctx context.Context, k Key, digest []byte, deadline t
 // most waitLimit claims wait in PostgreSQL at once; the others wait for a
 // slot in memory, having given their connection back. When deadline passes
 // first, the error is errWaitOver; tx may then be nil.
-func (m *Middleware) waitForOriginal(ctx context.Context, tx *sql.Tx, k Key, lock int64, deadline *time.Time, waited *time.Duration) (*sql.Tx, claimRow, error) {
+func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Tx, driver.Begun, error) {
 	if deadline.IsZero() {
 		*deadline = time.Now().Add(m.lockWait)
 	}
 	start := time.Now()
 	defer func() { *waited += time.Since(start) }()
 	if time.Until(*deadline) <= 0 {
-		return tx, claimRow{}, errWaitOver
+		return tx, driver.Begun{}, errWaitOver
 	}
-	limit := waitLimit(m.db.Stats().MaxOpenConnections)
+	limit := waitLimit(m.drv.PoolCap())
 	if !m.waiting.tryAcquire(limit) {
-		_ = tx.Rollback()
+		_ = tx.Rollback(ctx)
 		if !m.waiting.acquire(ctx, limit, *deadline) {
 			if err := ctx.Err(); err != nil {
-				return nil, claimRow{}, err
+				return nil, driver.Begun{}, err
 			}
-			return nil, claimRow{}, errWaitOver
+			return nil, driver.Begun{}, errWaitOver
 		}
+		defer m.waiting.release()
+		// A new transaction, whose claim finds the key as the last did, or
+		// settles it if the original ended meanwhile.
+		var begun driver.Begun
 		var err error
-		if tx, err = m.db.BeginTx(ctx, m.txOptions); err != nil {
-			m.waiting.release()
-			return nil, claimRow{}, err
+		if tx, begun, err = m.drv.Begin(ctx, a); err != nil || begun.Won || begun.Row.Visible || begun.Row.GotLock {
+			return tx, begun, err
 		}
+	} else {
+		defer m.waiting.release()
 	}
-	defer m.waiting.release()
 	remaining := time.Until(*deadline)
 	if remaining <= 0 {
-		return tx, claimRow{}, errWaitOver
+		return tx, driver.Begun{}, errWaitOver
 	}
-	old, err := m.q.doWait(ctx, tx, lock, remaining)
+	old, err := tx.Wait(ctx, a.Lock, remaining)
 	if sqlState(err) == "55P03" { // lock_not_available: LockWait ran out
-		return tx, claimRow{}, errWaitOver
+		return tx, driver.Begun{}, errWaitOver
 	}
 	if err != nil {
-		return tx, claimRow{}, err
+		return tx, driver.Begun{}, err
 	}
-	row, err := m.q.doLookupRestoring(ctx, tx, k, lock, old)
-	return tx, row, err
+	row, err := tx.LookupRestoring(ctx, a, old)
+	return tx, driver.Begun{Row: row}, err
 }
 
 // answerStored turns a committed row into a replay, a 422, or, for a row
 // committed without its answer (a handler that committed the middleware's
 // transaction itself), a 409: that key needs an operator.
-func (m *Middleware) answerStored(res claimResult, row claimRow, digest []byte) claimResult {
+func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte) claimResult {
 	switch {
-	case !row.completed:
+	case !row.Completed:
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
-	case subtle.ConstantTimeCompare(row.stored.digest, digest) != 1:
+	case subtle.ConstantTimeCompare(row.Digest, digest) != 1:
 		res.problem, res.outcome = problemFor(ErrPayloadMismatch), OutcomeMismatch
 	default:
-		res.replay = &row.stored
+		s := &stored{digest: row.Digest, status: row.Status, body: row.Body}
+		if s.body == nil {
+			s.body = []byte{} // an empty answer is stored as '', not NULL
+		}
+		if len(row.Headers) > 0 {
+			h, err := parseHeaderJSON(row.Headers)
+			if err != nil {
+				res.problem, res.outcome = problemFor(fmt.Errorf("%w: stored headers: %w", ErrUnavailable, err)), OutcomeStoreError
+				return res
+			}
+			s.header = h
+		}
+		res.replay = s
 	}
 	return res
 }
@@ -703,13 +743,13 @@ func retryable(err error) bool {
 
 // run calls the handler inside the claim's transaction, then commits its
 // answer or rolls everything back, all within HandlerTimeout.
-func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, body []byte, next http.Handler) {
+func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, body []byte, next http.Handler) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent
-			_ = tx.Rollback()
+			_ = tx.Rollback(ctx)
 			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, errors.New("idem: handler panicked")
 			x.observe()
 		}
@@ -722,7 +762,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 			rec.release()
 		}
 	}()
-	x.state = reqState{tx: tx, key: k}
+	x.state = reqState{tx: tx.Handle(), key: k}
 	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &x.state))
 	x.body.Reset(body)
 	r2.Body = &x.body
@@ -733,13 +773,13 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	status := rec.finalStatus()
 	switch {
 	case rec.overflow:
-		_ = tx.Rollback()
+		_ = tx.Rollback(ctx)
 		x.fail(OutcomeRolledBack, problemFor(ErrResponseTooLarge))
 		return
 	case !m.cacheStatus(status):
 		// Not final: roll back the claim and the handler's writes, so the
 		// sender's retry runs again; send the handler's answer as it is.
-		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) && ctx.Err() == nil {
+		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
 			m.log(x, slog.LevelWarn, "rollback failed", err)
 		}
 		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not cached", status)
@@ -749,12 +789,12 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx *sql.Tx, k Key, bo
 	}
 
 	headers := appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
-	err := m.q.doComplete(ctx, tx, k, status, headers, rec.body.Bytes())
-	if err == nil {
-		err = tx.Commit()
+	answer := rec.body.Bytes()
+	if answer == nil {
+		answer = []byte{} // an empty answer is stored as '', not NULL
 	}
-	if err != nil {
-		_ = tx.Rollback()
+	if err := tx.Commit(ctx, &x.args, status, headers, answer); err != nil {
+		_ = tx.Rollback(ctx)
 		p, o := m.finishProblem(ctx, err)
 		x.fail(o, p)
 		return
@@ -768,7 +808,7 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 	switch {
 	case ctx.Err() != nil:
 		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
-	case errors.Is(err, sql.ErrTxDone):
+	case errors.Is(err, driver.ErrTxDone):
 		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
 	case sqlState(err) == "25P02": // in_failed_sql_transaction
 		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack

@@ -4,13 +4,10 @@ import (
 	"context"
 	"database/sql"
 	_ "embed" // schema.sql
-	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"strings"
 	"text/template"
-	"time"
 )
 
 // DefaultTable is the table name used when Options.Table (or Migrate's
@@ -151,156 +148,10 @@ func lockID(tableName, source, eventID string) int64 {
 // lockID is the advisory lock key of k's claims in this table.
 func (t table) lockID(k Key) int64 { return lockID(t.rel, k.Source, k.EventID) }
 
-// queries holds the SQL for one table, built once in New.
-type queries struct {
-	claim, lookup, lookupRestoring, wait, complete string
-}
-
-func newQueries(t table) queries {
-	q := t.quoted
-	return queries{
-		// The claim decides in one statement: the INSERT runs only if the
-		// key's advisory lock is free, taken without waiting. A claim in
-		// flight holds that lock until its transaction ends, so a duplicate
-		// learns "in flight" at once instead of blocking on the uncommitted
-		// row; with the lock, ON CONFLICT decides (the primary key is the
-		// lock that counts). A row back means this transaction owns the key.
-		// A plain INSERT ... SELECT: a data-modifying CTE that also returned
-		// the existing row measured 5-10 % slower for every new event.
-		claim: `INSERT INTO ` + q + ` (source, event_id, payload_digest)
-SELECT $1, $2, $3 WHERE pg_try_advisory_xact_lock($4)
-ON CONFLICT (source, event_id) DO NOTHING
-RETURNING true`,
-
-		// When the claim inserted nothing: the key's row, and whether its
-		// lock is free (or already ours). A new statement takes a new
-		// snapshot (at READ COMMITTED), so it sees a row that committed
-		// while the claim ran or waited.
-		lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL
-FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
-
-		// The lookup after a wait, which gives the transaction back the
-		// lock_timeout it had before: the claim may go on to run the
-		// handler in this transaction.
-		lookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, set_config('lock_timeout', $4, true)
-FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
-
-		// Wait for the claim in flight to end, at most lock_timeout: it is
-		// set for this transaction only, before the lock is requested, and
-		// its value before is returned, for lookupRestoring.
-		wait: `WITH o AS MATERIALIZED (SELECT current_setting('lock_timeout') AS old),
-     s AS MATERIALIZED (SELECT o.old, set_config('lock_timeout', $2, true) FROM o)
-SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
-
-		// completed_at IS NULL: a second completion changes nothing.
-		complete: `UPDATE ` + q + `
-SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
-WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`,
-	}
-}
-
-// claimRow is what the lookup statement returns.
-type claimRow struct {
-	gotLock   bool // the key's advisory lock is this transaction's
-	visible   bool // a committed row was returned
-	completed bool
-	stored    stored
-}
-
 // stored is a completed answer: what the first delivery was told.
 type stored struct {
 	digest []byte
 	status int
 	header http.Header
 	body   []byte
-}
-
-// doClaim reports whether this transaction inserted, and so owns, the key.
-func (q *queries) doClaim(ctx context.Context, tx *sql.Tx, k Key, digest []byte, lock int64) (bool, error) {
-	var won bool
-	err := tx.QueryRowContext(ctx, q.claim, k.Source, k.EventID, digest, lock).Scan(&won)
-	if errors.Is(err, sql.ErrNoRows) {
-		return false, nil
-	}
-	return won, err
-}
-
-// doLookup reads the key's row and the state of its lock. A missing row is
-// visible == false, not an error.
-func (q *queries) doLookup(ctx context.Context, tx *sql.Tx, k Key, lock int64) (claimRow, error) {
-	return scanClaimRow(tx.QueryRowContext(ctx, q.lookup, k.Source, k.EventID, lock), nil)
-}
-
-// doLookupRestoring is doLookup after doWait: it also sets lock_timeout back
-// to old, its value before the wait.
-func (q *queries) doLookupRestoring(ctx context.Context, tx *sql.Tx, k Key, lock int64, old string) (claimRow, error) {
-	var restored string
-	return scanClaimRow(tx.QueryRowContext(ctx, q.lookupRestoring, k.Source, k.EventID, lock, old), &restored)
-}
-
-// scanClaimRow reads a lookup's row; extra receives a trailing column.
-func scanClaimRow(r *sql.Row, extra any) (claimRow, error) {
-	var (
-		c       claimRow
-		status  sql.NullInt32
-		headers []byte
-		done    sql.NullBool
-	)
-	dest := []any{&c.gotLock, &c.stored.digest, &status, &headers, &c.stored.body, &done}
-	if extra != nil {
-		dest = append(dest, extra)
-	}
-	if err := r.Scan(dest...); err != nil {
-		return c, err
-	}
-	c.visible = c.stored.digest != nil
-	c.completed = done.Valid && done.Bool
-	if c.completed {
-		c.stored.status = int(status.Int32)
-		if len(headers) > 0 {
-			var err error
-			if c.stored.header, err = parseHeaderJSON(headers); err != nil {
-				return c, err
-			}
-		}
-		if c.stored.body == nil {
-			c.stored.body = []byte{}
-		}
-	}
-	return c, nil
-}
-
-// doWait waits for the key's lock, at most wait, and returns lock_timeout's
-// value before the wait.
-func (q *queries) doWait(ctx context.Context, tx *sql.Tx, lock int64, wait time.Duration) (string, error) {
-	ms := wait.Milliseconds()
-	if ms < 1 {
-		ms = 1 // lock_timeout 0 would mean "wait forever"
-	}
-	var old string
-	var locked sql.NullString
-	err := tx.QueryRowContext(ctx, q.wait, lock, strconv.FormatInt(ms, 10)+"ms").Scan(&old, &locked)
-	return old, err
-}
-
-func (q *queries) doComplete(ctx context.Context, tx *sql.Tx, k Key, status int, headers []byte, body []byte) error {
-	if body == nil {
-		body = []byte{} // an empty answer is stored as '', not NULL
-	}
-	res, err := tx.ExecContext(ctx, q.complete, k.Source, k.EventID, status, string(headers), body)
-	if err != nil {
-		return err
-	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return err
-	}
-	if n != 1 {
-		return fmt.Errorf("idem: storing the response updated %d rows, want 1", n)
-	}
-	return nil
 }

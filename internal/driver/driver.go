@@ -1,0 +1,161 @@
+// Package driver is the seam between idem's engine (package idem: the claim,
+// the wait, the replay, the behaviour of every answer) and the two database
+// adapters under it: database/sql (in package idem) and pgx (package
+// idempgx). An adapter implements Driver and Tx: whole operations ("begin
+// and claim", "store the answer and commit"), each done the adapter's own
+// way (sequential statements on database/sql, one pipelined batch on pgx),
+// with the SQL of Queries, written once. The engine cannot tell which ran.
+//
+// Nothing here is public API: Go's internal rule keeps it to this module.
+package driver
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+)
+
+// Args names one key's claim: its source and event id, the SHA-256 of the
+// request body, and the key's advisory lock.
+type Args struct {
+	Source, EventID string
+	Digest          []byte
+	Lock            int64
+}
+
+// Row is what a lookup read: the key's committed row, if any, and whether
+// the key's advisory lock is this transaction's.
+type Row struct {
+	GotLock   bool   // the key's lock is held by this transaction
+	Visible   bool   // a row was read
+	Completed bool   // and it holds an answer
+	Digest    []byte // the request body's SHA-256 the row was claimed with
+	Status    int
+	Headers   []byte // the stored headers' JSON
+	Body      []byte
+}
+
+// Begun is what Driver.Begin found: Won when the claim inserted the key;
+// otherwise Row, read by a statement after the claim's.
+type Begun struct {
+	Won bool
+	Row Row
+}
+
+// Driver begins claims on one database and table.
+type Driver interface {
+	// Begin begins a transaction, claims the key in it and, when the claim
+	// inserted nothing, reads the key's row and lock with a new statement.
+	// On error no transaction is left open.
+	Begin(ctx context.Context, a *Args) (Tx, Begun, error)
+	// PoolCap is the connection pool's cap, 0 for none.
+	PoolCap() int
+}
+
+// Tx is a claim's transaction.
+type Tx interface {
+	// Claim claims the key in this transaction, which holds its lock.
+	Claim(ctx context.Context, a *Args) (bool, error)
+	// Wait waits at most d for the key's lock, with lock_timeout set for
+	// this transaction, and returns lock_timeout's value from before.
+	Wait(ctx context.Context, lock int64, d time.Duration) (string, error)
+	// LookupRestoring reads the key's row and lock after Wait, with a new
+	// statement, and sets lock_timeout back to lockTimeout.
+	LookupRestoring(ctx context.Context, a *Args, lockTimeout string) (Row, error)
+	// Commit stores the answer in the key's row and commits. An error means
+	// nothing was committed; the caller then calls Rollback.
+	Commit(ctx context.Context, a *Args, status int, headers, body []byte) error
+	// Rollback ends the transaction, if it is still open, and gives the
+	// connection back. It is safe to call more than once.
+	Rollback(ctx context.Context) error
+	// Handle is what the handler gets from the request's context: a *sql.Tx
+	// or a pgx.Tx.
+	Handle() any
+}
+
+// ErrTxDone wraps the error of Commit when the handler itself ended the
+// transaction (or tried to): the middleware's misuse answer.
+var ErrTxDone = errors.New("the handler ended the middleware's transaction")
+
+// ErrNotStored is Commit's error when the answer's UPDATE found no claim to
+// complete: the handler deleted or completed the key's row itself.
+var ErrNotStored = errors.New("idem: storing the response found no claim to complete")
+
+// LockTimeout is the lock_timeout setting for a wait of d: whole
+// milliseconds, at least 1 (0 would mean "wait forever").
+func LockTimeout(d time.Duration) string {
+	return strconv.FormatInt(max(1, d.Milliseconds()), 10) + "ms"
+}
+
+// Queries are the statements of the claim, for one quoted table name.
+type Queries struct {
+	Claim, Lookup, LookupRestoring, Wait, Complete string
+	// CompleteOrFail is Complete that fails (division by zero) when it
+	// finds no claim to complete, for a COMMIT pipelined behind it.
+	CompleteOrFail string
+}
+
+// NewQueries builds the statements for the table quoted (already quoted:
+// "schema"."name" or "name").
+func NewQueries(quoted string) Queries {
+	q := quoted
+	complete := `UPDATE ` + q + `
+SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
+WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
+	return Queries{
+		// The claim decides in one statement: the INSERT runs only if the
+		// key's advisory lock is free, taken without waiting. A claim in
+		// flight holds that lock until its transaction ends, so a duplicate
+		// learns "in flight" at once instead of blocking on the uncommitted
+		// row; with the lock, ON CONFLICT decides (the primary key is the
+		// lock that counts). A row back means this transaction owns the key.
+		// A plain INSERT ... SELECT: a data-modifying CTE that also returned
+		// the existing row measured 5-10 % slower for every new event.
+		Claim: `INSERT INTO ` + q + ` (source, event_id, payload_digest)
+SELECT $1, $2, $3 WHERE pg_try_advisory_xact_lock($4)
+ON CONFLICT (source, event_id) DO NOTHING
+RETURNING true`,
+
+		// When the claim inserted nothing: the key's row, and whether its
+		// lock is free (or already ours). A new statement takes a new
+		// snapshot (at READ COMMITTED), so it sees a row that committed
+		// while the claim ran or waited.
+		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
+       r.response_body, r.completed_at IS NOT NULL
+FROM (VALUES (1)) AS one
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+
+		// The lookup after a wait, which gives the transaction back the
+		// lock_timeout it had before: the claim may go on to run the
+		// handler in this transaction.
+		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
+       r.response_body, r.completed_at IS NOT NULL, set_config('lock_timeout', $4, true)
+FROM (VALUES (1)) AS one
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+
+		// Wait for the claim in flight to end, at most lock_timeout: it is
+		// set for this transaction only, before the lock is requested, and
+		// its value before is returned, for LookupRestoring.
+		Wait: `WITH o AS MATERIALIZED (SELECT current_setting('lock_timeout') AS old),
+     s AS MATERIALIZED (SELECT o.old, set_config('lock_timeout', $2, true) FROM o)
+SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
+
+		// completed_at IS NULL: a second completion changes nothing.
+		Complete: complete,
+
+		CompleteOrFail: `WITH u AS (` + complete + `
+RETURNING 1)
+SELECT 1 / (SELECT count(*)::int FROM u)`,
+	}
+}
+
+// Filled in by package idem when it is initialized, for adapters outside it
+// (idempgx imports idem, so idem is initialized first).
+var (
+	// NewMiddleware returns an *idem.Middleware for opts (an idem.Options)
+	// on the Driver that newDriver makes for the table's queries.
+	NewMiddleware func(newDriver func(Queries) Driver, opts any) (any, error)
+	// HandleFromContext returns the Handle of the request's transaction.
+	HandleFromContext func(ctx context.Context) (any, bool)
+)
