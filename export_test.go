@@ -6,6 +6,8 @@ var (
 	NewTestTable    = newTestTable
 	TestDatabaseURL = testDatabaseURL
 	LockID          = lockID
+	OpenDSN         = openDSN
+	DSNOf           = dsnOf
 )
 
 // ExampleDB gives Example functions a database and a migrated table.

@@ -30,7 +30,7 @@ func openPool(t testing.TB, via string, max int) *sql.DB {
 	if via != "" {
 		u.Host = via
 	}
-	db, err := sql.Open("pgx", u.String())
+	db, err := idem.OpenDSN(u.String())
 	require.NoError(t, err)
 	db.SetMaxOpenConns(max)
 	t.Cleanup(func() { db.Close() })

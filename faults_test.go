@@ -46,7 +46,7 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 					f.ledgerHandler().ServeHTTP(w, r)
 					return
 				}
-				tx, _ := idem.Tx(r.Context())
+				tx, _ := txFrom(r.Context())
 				var pid int
 				err := tx.QueryRowContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x') RETURNING pg_backend_pid()`).Scan(&pid)
 				if !assert.NoError(t, err) {
@@ -313,7 +313,7 @@ func TestSmallPoolNeverDeadlocks(t *testing.T) {
 				}
 			}
 			checkExactlyOnce(t, f, ids, &got)
-			assert.Positive(t, pool.Stats().WaitCount, "requests queued for the pool's connections")
+			assert.Positive(t, poolWaits(t, pool), "requests queued for the pool's connections")
 		})
 	}
 }
@@ -331,7 +331,7 @@ func has2xx(rs []reply) bool {
 // connection of db.
 func waitForPoolWaiters(t *testing.T, db *sql.DB, n int64) {
 	t.Helper()
-	waitFor(t, "requests waiting for a pooled connection", func() bool { return db.Stats().WaitCount >= n })
+	waitFor(t, "requests waiting for a pooled connection", func() bool { return poolWaits(t, db) >= n })
 }
 
 // waitFor polls cond until it holds, failing the test after 30 seconds.
@@ -347,7 +347,7 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 }
 
 // statementTimeout runs a statement that statement_timeout stops.
-func statementTimeout(ctx context.Context, tx *sql.Tx) error {
+func statementTimeout(ctx context.Context, tx testTx) error {
 	_, err := tx.ExecContext(ctx, `SET LOCAL statement_timeout = '50ms'`)
 	if err == nil {
 		_, err = tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
@@ -356,7 +356,7 @@ func statementTimeout(ctx context.Context, tx *sql.Tx) error {
 }
 
 // longQuery runs a statement that only ctx can stop.
-func longQuery(ctx context.Context, tx *sql.Tx) error {
+func longQuery(ctx context.Context, tx testTx) error {
 	_, err := tx.ExecContext(ctx, `SELECT pg_sleep(30)`)
 	return err
 }
@@ -371,7 +371,7 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 		opts idem.Options
 		// slow runs the handler's slow statement; it returns the
 		// statement's error and whether the handler reports it.
-		slow    func(ctx context.Context, tx *sql.Tx) error
+		slow    func(ctx context.Context, tx testTx) error
 		report  bool
 		want    int
 		outcome idem.Outcome
@@ -416,7 +416,7 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 					f.ledgerHandler().ServeHTTP(w, r)
 					return
 				}
-				tx, _ := idem.Tx(r.Context())
+				tx, _ := txFrom(r.Context())
 				_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 				assert.NoError(t, err)
 				err = tc.slow(r.Context(), tx)
@@ -459,7 +459,7 @@ func TestLockWaitHoldsWhateverTheTableSpelling(t *testing.T) {
 		<-release
 		f.ledgerHandler().ServeHTTP(w, r)
 	}))
-	other, err := idem.New(f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: "public." + f.table, LockWait: -1})
+	other, err := newMW(t, f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: "public." + f.table, LockWait: -1})
 	require.NoError(t, err)
 
 	orig := make(chan reply)

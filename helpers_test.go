@@ -69,7 +69,7 @@ func newFixtureOn(t testing.TB, pool *sql.DB, opts idem.Options, inner http.Hand
 			user(o)
 		}
 	}
-	f.mw, err = idem.New(pool, opts)
+	f.mw, err = newMW(t, pool, opts)
 	require.NoError(t, err)
 	if inner == nil {
 		inner = f.ledgerHandler()
@@ -94,7 +94,7 @@ func (f *fixture) serveOn(pool *sql.DB, opts idem.Options) (*idem.Middleware, *h
 	if opts.Table == "" {
 		opts.Table = f.table
 	}
-	mw, err := idem.New(pool, opts)
+	mw, err := newMW(f.t, pool, opts)
 	require.NoError(f.t, err)
 	srv := httptest.NewServer(recoverer(mw.Handler(f.inner)))
 	f.t.Cleanup(srv.Close)
@@ -118,7 +118,7 @@ func recoverer(next http.Handler) http.Handler {
 // a second run would show as a second row and a different id.
 func (f *fixture) ledgerHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, ok := idem.Tx(r.Context())
+		tx, ok := txFrom(r.Context())
 		if !ok {
 			http.Error(w, "no transaction", http.StatusInternalServerError)
 			return

@@ -35,7 +35,7 @@ func TestLogsCarryTheKeyNeverTheBody(t *testing.T) {
 	var out logBuffer
 	logger := slog.New(slog.NewJSONHandler(&out, nil))
 	f := newFixture(t, idem.Options{Logger: logger}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
+		tx, _ := txFrom(r.Context())
 		_ = tx.Commit() // misuse: logged
 		_, _ = w.Write([]byte("answer-secret"))
 	}))

@@ -124,7 +124,7 @@ func TestUncoveredMethodsPassThroughWithoutTransaction(t *testing.T) {
 	var sawTx []bool
 	var mu sync.Mutex
 	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, ok := idem.Tx(r.Context())
+		_, ok := txFrom(r.Context())
 		mu.Lock()
 		sawTx = append(sawTx, ok)
 		mu.Unlock()
@@ -226,7 +226,7 @@ func TestNonSuccessAnswerRollsBackClaimAndWrites(t *testing.T) {
 	var f *fixture
 	f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if fail {
-			tx, _ := idem.Tx(r.Context())
+			tx, _ := txFrom(r.Context())
 			_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 			require.NoError(t, err)
 			w.Header().Set("Set-Cookie", "session=leaked")
@@ -267,7 +267,7 @@ func TestPanicPropagatesAndRollsBack(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, nil)
 	inner := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
+		tx, _ := txFrom(r.Context())
 		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 		require.NoError(t, err)
 		w.WriteHeader(http.StatusOK)
@@ -299,13 +299,20 @@ func TestHandlerEndingTheTransactionIsMisuse(t *testing.T) {
 		t.Run("the handler calls "+end, func(t *testing.T) {
 			var f *fixture
 			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				tx, _ := idem.Tx(r.Context())
+				tx, _ := txFrom(r.Context())
 				_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 				require.NoError(t, err)
+				var err2 error
 				if end == "Commit" {
-					require.NoError(t, tx.Commit())
+					err2 = tx.Commit()
 				} else {
-					require.NoError(t, tx.Rollback())
+					err2 = tx.Rollback()
+				}
+				if onPgx {
+					// idempgx's transaction refuses, and sends nothing.
+					assert.ErrorIs(t, err2, idem.ErrTxMisuse)
+				} else {
+					require.NoError(t, err2)
 				}
 				_, _ = w.Write([]byte("ok"))
 			}))
@@ -317,14 +324,22 @@ func TestHandlerEndingTheTransactionIsMisuse(t *testing.T) {
 			var stored int
 			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM "`+f.table+`" WHERE completed_at IS NOT NULL`).Scan(&stored))
 			assert.Equal(t, 0, stored, "nothing cached")
-			if end == "Commit" {
+			switch {
+			case onPgx:
+				// Nothing was sent: the middleware rolled everything back,
+				// and the redelivery runs once.
+				assert.Equal(t, 0, f.ledgerRows())
+				assert.Equal(t, 0, f.keys())
+				assert.Equal(t, http.StatusInternalServerError, f.post("evt_1", "{}").status, "the same handler misuses it again")
+				assert.Equal(t, 0, f.ledgerRows())
+			case end == "Commit":
 				// The handler committed its write and an incomplete claim; the
 				// middleware never runs it again (no double effect) and says so.
 				assert.Equal(t, 1, f.ledgerRows())
 				dup := f.post("evt_1", "{}")
 				assert.Equal(t, http.StatusConflict, dup.status)
 				assert.Equal(t, int64(1), f.runs.Load())
-			} else {
+			default:
 				assert.Equal(t, 0, f.ledgerRows())
 				assert.Equal(t, 0, f.keys())
 			}
@@ -368,7 +383,7 @@ func TestInFlightDuplicateGets409AfterLockWait(t *testing.T) {
 	assert.Equal(t, "3", d.header.Get("Retry-After"))
 	problemDoc(t, d)
 	// The duplicate gave its connection back: only the original holds one.
-	assert.Equal(t, 1, f.db.Stats().InUse)
+	assert.Equal(t, 1, poolInUse(t, f.db))
 	obs := f.observations()
 	require.Len(t, obs, 1)
 	assert.Equal(t, idem.OutcomeInFlight, obs[0].Outcome)
@@ -515,7 +530,7 @@ func TestHandlerTimeoutRollsBack(t *testing.T) {
 	var f *fixture
 	// Long enough that a loaded machine never hits it on the fast path.
 	f = newFixture(t, idem.Options{HandlerTimeout: 2 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
+		tx, _ := txFrom(r.Context())
 		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 		assert.NoError(t, err)
 		if slow {
@@ -539,7 +554,7 @@ func TestResponseOverTheCapRollsBack(t *testing.T) {
 	t.Parallel()
 	var f *fixture
 	f = newFixture(t, idem.Options{MaxResponseBytes: 10}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
+		tx, _ := txFrom(r.Context())
 		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 		require.NoError(t, err)
 		_, err = w.Write([]byte("0123456789"))
@@ -556,11 +571,11 @@ func TestResponseOverTheCapRollsBack(t *testing.T) {
 
 func TestDatabaseUnreachableIs503AndHandlerNotRun(t *testing.T) {
 	t.Parallel()
-	db, err := sql.Open("pgx", "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+	db, err := idem.OpenDSN("postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
 	require.NoError(t, err)
 	defer db.Close()
 	ran := false
-	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id")})
+	mw, err := newMW(t, db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id")})
 	require.NoError(t, err)
 	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { ran = true }))
 	rec := httptest.NewRecorder()
@@ -702,7 +717,7 @@ func TestOuterHeadersSurviveAndSetCookieIsNeverReplayed(t *testing.T) {
 func TestFinalAnswerAfterAFailedStatementIs500(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
+		tx, _ := txFrom(r.Context())
 		_, err := tx.ExecContext(r.Context(), `SELECT 1/0`)
 		assert.Error(t, err)
 		_, _ = w.Write([]byte("all good"))

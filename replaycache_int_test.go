@@ -34,7 +34,7 @@ func TestReplayCacheServesSeenKeysAndOtherInstancesUseTheDatabase(t *testing.T) 
 	// (deleted) key is claimed anew there — exactly what a deleted key means.
 	g := newFixture(t, idem.Options{}, nil)
 	require.Equal(t, http.StatusCreated, g.post("evt_2", `{"b":1}`).status)
-	other, err := idem.New(g.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: g.table})
+	other, err := newMW(t, g.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: g.table})
 	require.NoError(t, err)
 	srv := httptest.NewServer(other.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		t.Error("the second instance must replay, not run")

@@ -52,7 +52,7 @@ func TestTableNamesAreQuotedNeverInjected(t *testing.T) {
 				tc.rel, tc.schema).Scan(&n))
 			assert.Equal(t, 1, n, "the table has exactly the name given")
 
-			mw, err := idem.New(f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
+			mw, err := newMW(t, f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
 			require.NoError(t, err)
 			h := mw.Handler(f.ledgerHandler())
 			var bodies []string
@@ -293,7 +293,7 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		{"COMMIT fails", failing("AFTER INSERT ON %[2]s DEFERRABLE INITIALLY DEFERRED", "P0001"), nil, http.StatusServiceUnavailable},
 		{"the handler's statement failed and it answered 201 anyway", "", func(f *fixture) http.Handler {
 			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				tx, _ := idem.Tx(r.Context())
+				tx, _ := txFrom(r.Context())
 				_, err := tx.ExecContext(r.Context(), `SELECT 1/0`)
 				assert.Error(t, err)
 				w.WriteHeader(http.StatusCreated)
@@ -301,8 +301,12 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		}, http.StatusInternalServerError},
 		{"the handler ended the transaction", "", func(f *fixture) http.Handler {
 			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				tx, _ := idem.Tx(r.Context())
-				assert.NoError(t, tx.Rollback())
+				tx, _ := txFrom(r.Context())
+				if err := tx.Rollback(); onPgx {
+					assert.ErrorIs(t, err, idem.ErrTxMisuse, "idempgx refuses, and sends nothing")
+				} else {
+					assert.NoError(t, err)
+				}
 				w.WriteHeader(http.StatusCreated)
 			})
 		}, http.StatusInternalServerError},

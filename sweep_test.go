@@ -97,7 +97,7 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 	var f *fixture
 	f = newFixture(t, idem.Options{HandlerTimeout: 5 * time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if k, _ := idem.KeyFromContext(r.Context()); k.EventID == "inflight_old" {
-			tx, _ := idem.Tx(r.Context())
+			tx, _ := txFrom(r.Context())
 			_, err := tx.ExecContext(r.Context(), `UPDATE "`+f.table+`" SET claimed_at = now() - interval '60 days'
 				WHERE source = 'test' AND event_id = 'inflight_old'`)
 			if err != nil {

@@ -35,7 +35,7 @@ func TestSweepDuringStormDeletesNoLiveKey(t *testing.T) {
 			k, _ := idem.KeyFromContext(r.Context())
 			var n int
 			if _, err := fmt.Sscanf(k.EventID, "inflight_%d", &n); err == nil {
-				tx, _ := idem.Tx(r.Context())
+				tx, _ := txFrom(r.Context())
 				_, err := tx.ExecContext(r.Context(), `UPDATE "`+f.table+`" SET claimed_at = now() - interval '60 days'
 					WHERE source = $1 AND event_id = $2`, k.Source, k.EventID)
 				assert.NoError(t, err)

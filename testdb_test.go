@@ -32,6 +32,12 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	switch a := os.Getenv("IDEM_ADAPTER"); a {
+	case "", "sql", "pgx":
+	default:
+		fmt.Fprintln(os.Stderr, "idem tests: IDEM_ADAPTER must be sql or pgx, not", a)
+		os.Exit(2)
+	}
 	code := m.Run()
 	if testDBName != "" {
 		if err := dropTestDatabase(); err != nil {
@@ -94,10 +100,32 @@ func testDatabaseURL(t testing.TB) string {
 	return testDBURL
 }
 
+// dsns maps each *sql.DB the tests open to its DSN, so that the pgx pass
+// can open a pgx pool on the same database.
+var dsns sync.Map
+
+// openDSN opens a pool on dsn and records its DSN.
+func openDSN(dsn string) (*sql.DB, error) {
+	db, err := sql.Open("pgx", dsn)
+	if err == nil {
+		dsns.Store(db, dsn)
+	}
+	return db, err
+}
+
+// dsnOf returns the DSN a test opened db with.
+func dsnOf(db *sql.DB) (string, bool) {
+	v, ok := dsns.Load(db)
+	if !ok {
+		return "", false
+	}
+	return v.(string), true
+}
+
 // openTestDB opens a pool on the test database, closed when t ends.
 func openTestDB(t testing.TB) *sql.DB {
 	t.Helper()
-	db, err := sql.Open("pgx", testDatabaseURL(t))
+	db, err := openDSN(testDatabaseURL(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -143,7 +143,7 @@ func TestTakeoverRunsWithTheOriginalsSettings(t *testing.T) {
 			http.Error(w, "downstream blip", http.StatusServiceUnavailable)
 			return
 		}
-		tx, ok := idem.Tx(r.Context())
+		tx, ok := txFrom(r.Context())
 		require.True(t, ok)
 		var lt string
 		require.NoError(t, tx.QueryRowContext(r.Context(), `SHOW lock_timeout`).Scan(&lt))
@@ -226,7 +226,7 @@ func TestHotKeyDoesNotStarveOtherEvents(t *testing.T) {
 				lat = append(lat, time.Since(start))
 			}
 			t.Logf("%d new events of other keys served while 40 duplicates waited: latencies %v", others, lat)
-			inUse := pool.Stats().InUse
+			inUse := poolInUse(t, pool)
 			g.open()
 
 			o := <-orig
@@ -246,7 +246,7 @@ func TestHotKeyDoesNotStarveOtherEvents(t *testing.T) {
 // openPoolURL opens a pool on dsn, capped at max connections.
 func openPoolURL(t testing.TB, dsn string, max int) *sql.DB {
 	t.Helper()
-	db, err := sql.Open("pgx", dsn)
+	db, err := idem.OpenDSN(dsn)
 	require.NoError(t, err)
 	db.SetMaxOpenConns(max)
 	t.Cleanup(func() { db.Close() })

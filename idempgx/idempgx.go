@@ -1,0 +1,282 @@
+// Package idempgx puts idem in front of handlers that use a pgx pool
+// (github.com/jackc/pgx/v5/pgxpool): the handler gets a pgx.Tx, so
+// sqlc-generated queries in pgx/v5 mode take it with WithTx(tx).
+//
+// It is the same middleware as idem.New's, on the same table, with the same
+// Options and the same answers: instances of both can serve one table side
+// by side. What differs is the wire: pgx sends BEGIN in one round trip with
+// the claim, and the stored answer in one round trip with COMMIT, so a new
+// event whose handler runs one statement costs 3 round trips where
+// database/sql needs 5.
+//
+//	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+//	...
+//	if err := idempgx.Migrate(ctx, pool, ""); err != nil { ... }
+//	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Stripe()})
+//	...
+//	mux.Handle("POST /webhooks/stripe", mw.Handler(handler))
+//
+// In the handler:
+//
+//	tx, ok := idempgx.Tx(r.Context())
+//	if !ok { ... }
+//	_, err := queries.WithTx(tx).RecordPayment(ctx, ...)
+package idempgx
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// New validates opts and returns a middleware that claims keys in the
+// database of pool, where Migrate has created the table. Every field of
+// opts means what it means for idem.New; TxOptions' isolation level and
+// read-only flag become the BEGIN statement. New does not touch the
+// database: a database that is down answers 503 per request.
+func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
+	if pool == nil {
+		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
+	}
+	begin, err := txOptions(opts.TxOptions)
+	if err != nil {
+		return nil, err
+	}
+	poolCap := int(pool.Config().MaxConns)
+	mw, err := driver.NewMiddleware(func(q driver.Queries) driver.Driver {
+		return &pgxDriver{pool: pool, q: q, begin: begin, poolCap: poolCap}
+	}, opts)
+	if err != nil {
+		return nil, err
+	}
+	return mw.(*idem.Middleware), nil
+}
+
+// Tx returns the transaction that holds the claim of the current request,
+// for the handler's writes: they commit together with the claim and the
+// stored answer, or roll back with them. The middleware owns it: Commit and
+// Rollback return an error wrapping idem.ErrTxMisuse and send nothing, and
+// the request is then answered 500 and rolled back. Begin makes a savepoint,
+// as pgx's own nested transactions do. ok is false outside a request of an
+// idempgx middleware.
+func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
+	h, ok := driver.HandleFromContext(ctx)
+	if !ok {
+		return nil, false
+	}
+	tx, ok = h.(*handleTx)
+	return tx, ok
+}
+
+// Migrate creates the idempotency table and its index if they do not
+// exist, as idem.Migrate does, through pool.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, table string) error {
+	db := stdlib.OpenDBFromPool(pool) // closing it leaves the pool open
+	defer db.Close()
+	return idem.Migrate(ctx, db, table)
+}
+
+// txOptions are pgx's options for database/sql's, as pgx's database/sql
+// driver maps them.
+func txOptions(opts *sql.TxOptions) (pgx.TxOptions, error) {
+	var o pgx.TxOptions
+	if opts == nil {
+		return o, nil
+	}
+	switch opts.Isolation {
+	case sql.LevelDefault:
+	case sql.LevelReadUncommitted:
+		o.IsoLevel = pgx.ReadUncommitted
+	case sql.LevelReadCommitted:
+		o.IsoLevel = pgx.ReadCommitted
+	case sql.LevelRepeatableRead, sql.LevelSnapshot:
+		o.IsoLevel = pgx.RepeatableRead
+	case sql.LevelSerializable:
+		o.IsoLevel = pgx.Serializable
+	default:
+		return o, fmt.Errorf("idem: Options.TxOptions: isolation level %v is not supported by PostgreSQL", opts.Isolation)
+	}
+	if opts.ReadOnly {
+		o.AccessMode = pgx.ReadOnly
+	}
+	return o, nil
+}
+
+// rollbackTimeout bounds a ROLLBACK sent after the request's own deadline
+// has passed; past it the connection is closed, which rolls back too.
+const rollbackTimeout = 5 * time.Second
+
+// pgxDriver is the pgx adapter: each operation is one pipelined batch where
+// it can be (BEGIN with the claim and the lookup; the stored answer with
+// COMMIT), on a connection held from Begin to Commit or Rollback.
+type pgxDriver struct {
+	pool    *pgxpool.Pool
+	q       driver.Queries
+	begin   pgx.TxOptions
+	poolCap int
+}
+
+func (d *pgxDriver) PoolCap() int { return d.poolCap }
+
+// Begin sends BEGIN, the claim and the lookup in one round trip. The
+// lookup is a statement of its own, so it sees rows committed while the
+// claim ran; it costs a new event no round trip, and saves a duplicate one.
+func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	conn, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	var b pgx.Batch
+	b.BeginTx(d.begin)
+	b.Queue(d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock)
+	b.Queue(d.q.Lookup, a.Source, a.EventID, a.Lock)
+	br := t.c.SendBatch(ctx, &b)
+	t.h = &handleTx{tx: br.Tx()}
+	var begun driver.Begun
+	_, err = br.Exec()
+	if err == nil {
+		err = br.QueryRow().Scan(&begun.Won)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if err == nil {
+		begun.Row, err = scanRow(br.QueryRow(), nil)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		_ = t.Rollback(ctx)
+		return nil, driver.Begun{}, err
+	}
+	return t, begun, nil
+}
+
+// scanRow reads a lookup's row; extra receives a trailing column.
+func scanRow(r pgx.Row, extra any) (driver.Row, error) {
+	var (
+		c      driver.Row
+		status *int32
+	)
+	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed}
+	if extra != nil {
+		dest = append(dest, extra)
+	}
+	if err := r.Scan(dest...); err != nil {
+		return c, err
+	}
+	c.Visible = c.Digest != nil
+	if status != nil {
+		c.Status = int(*status)
+	}
+	return c, nil
+}
+
+// claimTx is the claim's transaction, on a connection held from Begin to
+// Commit or Rollback.
+type claimTx struct {
+	d    *pgxDriver
+	conn *pgxpool.Conn
+	c    *pgx.Conn
+	h    *handleTx // what the handler gets
+	done bool      // committed or rolled back, connection released
+}
+
+func (t *claimTx) Handle() any { return t.h }
+
+func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
+	var won bool
+	err := t.c.QueryRow(ctx, t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	return won, err
+}
+
+func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
+	var old string
+	var locked *string
+	err := t.c.QueryRow(ctx, t.d.q.Wait, lock, driver.LockTimeout(d)).Scan(&old, &locked)
+	return old, err
+}
+
+func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
+	var restored string
+	return scanRow(t.c.QueryRow(ctx, t.d.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+}
+
+// Commit sends the stored answer and COMMIT in one round trip. The answer's
+// statement fails when it finds no claim to complete, so that the COMMIT
+// behind it cannot commit the handler's writes without their answer; a
+// COMMIT that comes back as ROLLBACK (a statement failed earlier) is an
+// error.
+func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
+	if m := t.h.misuse; m != "" {
+		return fmt.Errorf("%w: the handler called %s on the request's transaction", driver.ErrTxDone, m)
+	}
+	var b pgx.Batch
+	b.Queue(t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
+	b.Queue("COMMIT")
+	br := t.c.SendBatch(ctx, &b)
+	_, err := br.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case sqlState(err) == "22012": // the division by a count of zero
+		return fmt.Errorf("%w: %w", driver.ErrNotStored, err)
+	case err != nil:
+		return err
+	case tag.String() != "COMMIT":
+		return fmt.Errorf("idem: COMMIT answered %q: %w", tag.String(), pgx.ErrTxCommitRollback)
+	}
+	t.release()
+	return nil
+}
+
+// Rollback rolls back whatever is open and gives the connection back.
+func (t *claimTx) Rollback(ctx context.Context) error {
+	if t.done {
+		return nil
+	}
+	var err error
+	if t.h.tx != nil && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+		err = t.h.tx.Rollback(rctx)
+		cancel()
+	}
+	t.release()
+	return err
+}
+
+// release gives the connection back to the pool (which closes it if it is
+// still in a transaction) and closes the handler's handle.
+func (t *claimTx) release() {
+	t.done = true
+	t.h.closed = true
+	t.conn.Release()
+}
+
+// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
+func sqlState(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
+}
