@@ -122,7 +122,7 @@ func TestCheckFindsKeysCommittedWithoutAnAnswer(t *testing.T) {
 	if onPgx {
 		// idempgx's transaction cannot be committed by the handler: make
 		// the row such a handler leaves behind with database/sql.
-		_, err := f.db.Exec(`INSERT INTO "`+f.table+`" (source, event_id, payload_digest) VALUES ('test', 'evt_misused', sha256('{}'))`)
+		_, err := f.db.Exec(`INSERT INTO "` + f.table + `" (source, event_id, payload_digest) VALUES ('test', 'evt_misused', sha256('{}'))`)
 		require.NoError(t, err)
 	} else {
 		require.Equal(t, http.StatusInternalServerError, f.post("evt_misused", "{}").status)
