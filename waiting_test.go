@@ -1,7 +1,9 @@
 package idem_test
 
 import (
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -130,11 +132,24 @@ func waitForWaitersOn(t *testing.T, f *fixture, mw *idem.Middleware, n int) {
 // connection had before, here set by the DSN.
 func TestTakeoverRunsWithTheOriginalsSettings(t *testing.T) {
 	t.Parallel()
+	// A role whose sessions start with lock_timeout 7s (a role setting,
+	// so that it also holds through PgBouncer, which refuses startup
+	// parameters).
+	admin := idem.OpenTestDB(t)
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	role := "idem_lt_" + hex.EncodeToString(b[:])
+	_, err := admin.Exec(`CREATE ROLE ` + role + ` LOGIN SUPERUSER`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = admin.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '` + role + `'`)
+		_, _ = admin.Exec(`DROP ROLE ` + role)
+	})
+	_, err = admin.Exec(`ALTER ROLE ` + role + ` SET lock_timeout = '7s'`)
+	require.NoError(t, err)
 	u, err := url.Parse(idem.TestDatabaseURL(t))
 	require.NoError(t, err)
-	q := u.Query()
-	q.Set("lock_timeout", "7s")
-	u.RawQuery = q.Encode()
+	u.User = url.User(role)
 	pool := openPoolURL(t, u.String(), 4)
 
 	g := newGate()
@@ -159,7 +174,11 @@ func TestTakeoverRunsWithTheOriginalsSettings(t *testing.T) {
 		assert.NoError(t, err)
 		orig <- r
 	}()
-	<-g.entered
+	select {
+	case <-g.entered:
+	case r := <-orig:
+		t.Fatalf("the original never reached its handler: %d %s", r.status, r.body)
+	}
 	dup := f.postAsync("evt_1", "{}")
 	waitForLockWaiter(t, f.db)
 	g.open()

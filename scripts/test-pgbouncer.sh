@@ -109,3 +109,11 @@ if ! go test -race -count=1 -timeout 5m ./...; then
   tail -n 50 "$dir/pgbouncer.log" >&2 || true
   exit 1
 fi
+# The behaviour suite again on the pgx adapter (idempgx), same DSN: its
+# batches run in the same exec mode.
+echo "== the same, on the pgx adapter (IDEM_ADAPTER=pgx)"
+if ! IDEM_ADAPTER=pgx go test -race -count=1 -timeout 5m .; then
+  echo "test-pgbouncer: pgx-adapter tests failed through PgBouncer; its log:" >&2
+  tail -n 50 "$dir/pgbouncer.log" >&2 || true
+  exit 1
+fi

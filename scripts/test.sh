@@ -5,8 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== root module: go test -race"
+echo "== root module: go test -race (database/sql adapter)"
 go test -race -count=1 ./...
+
+echo "== root module: the behaviour suite on the pgx adapter (IDEM_ADAPTER=pgx)"
+IDEM_ADAPTER=pgx go test -race -count=1 .
+
+# The waiting-duplicates cases depend on timing: run them repeatedly, on
+# both adapters, so that a lucky pass cannot hide a race.
+echo "== waiting duplicates, 5 times on each adapter"
+for a in sql pgx; do
+  IDEM_ADAPTER=$a go test -race -count=5 -run 'TestWaitingDuplicatesOfAFailedOriginal|TestTakeoverRunsWithTheOriginalsSettings|TestHotKeyDoesNotStarveOtherEvents' .
+done
 
 echo "== root module: every benchmark once (-benchtime 1x), so they cannot rot"
 go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null

@@ -1,0 +1,155 @@
+package idem_test
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// wireCounter is a TCP proxy in front of PostgreSQL that counts the round
+// trips clients ask for: each Sync message (the end of an extended-protocol
+// exchange, pipelined or not) and each simple Query message.
+type wireCounter struct {
+	ln       net.Listener
+	upstream string
+	trips    atomic.Int64
+	wg       sync.WaitGroup
+}
+
+func startWireCounter(t testing.TB) *wireCounter {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	w := &wireCounter{ln: ln, upstream: databaseHost(t)}
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			w.wg.Add(1)
+			go w.serve(c)
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); w.wg.Wait() })
+	return w
+}
+
+func (w *wireCounter) serve(c net.Conn) {
+	defer w.wg.Done()
+	defer c.Close()
+	up, err := net.Dial("tcp", w.upstream)
+	if err != nil {
+		return
+	}
+	defer up.Close()
+	go func() { _, _ = io.Copy(c, up); c.Close() }()
+	// Client to server: the startup message has no type byte; every later
+	// message is a type byte and a length that counts itself.
+	var hdr [5]byte
+	if _, err := io.ReadFull(c, hdr[:4]); err != nil {
+		return
+	}
+	n := binary.BigEndian.Uint32(hdr[:4])
+	rest := make([]byte, n-4)
+	if _, err := io.ReadFull(c, rest); err != nil {
+		return
+	}
+	if _, err := up.Write(append(hdr[:4:4], rest...)); err != nil {
+		return
+	}
+	for {
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			return
+		}
+		switch hdr[0] {
+		case 'S', 'Q':
+			w.trips.Add(1)
+		}
+		body := make([]byte, binary.BigEndian.Uint32(hdr[1:])-4)
+		if _, err := io.ReadFull(c, body); err != nil {
+			return
+		}
+		if _, err := up.Write(append(hdr[:], body...)); err != nil {
+			return
+		}
+	}
+}
+
+// TestRoundTripsOnTheWire counts, on the wire, the round trips of each path
+// with a pool of one connection, after warm-up (pgx's statement cache
+// filled): a new event whose handler runs one statement, a completed
+// duplicate's first replay on an instance, and a replay from the replay
+// cache. pgx pipelines BEGIN with the claim and the answer with COMMIT.
+func TestRoundTripsOnTheWire(t *testing.T) {
+	t.Parallel()
+	want := map[string][3]int64{
+		"database/sql": {5, 4, 0}, // B, claim, ledger, UPDATE, C; B, claim, lookup, R
+		"pgx":          {3, 2, 0}, // [B claim lookup], ledger, [UPDATE C]; [B claim lookup], R
+	}
+	for _, adapter := range []string{"database/sql", "pgx"} {
+		t.Run(adapter, func(t *testing.T) {
+			wc := startWireCounter(t)
+			u, err := url.Parse(idem.TestDatabaseURL(t))
+			require.NoError(t, err)
+			u.Host = wc.ln.Addr().String()
+			pool := openPoolURL(t, u.String(), 1)
+			f := newFixtureOn(t, pool, idem.Options{}, nil) // tables and checks on f.db, not through the counter
+			newInstance := func() *idem.Middleware {
+				opts := idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table}
+				var mw *idem.Middleware
+				if adapter == "pgx" {
+					mw, err = idempgx.New(pgxPoolFor(t, pool), opts)
+				} else {
+					mw, err = idem.New(pool, opts)
+				}
+				require.NoError(t, err)
+				return mw
+			}
+			first, second := newInstance(), newInstance()
+			serve := func(mw *idem.Middleware, id string) int64 {
+				before := wc.trips.Load()
+				r := serveDirect(t, mw.Handler(f.inner), id)
+				require.Equal(t, http.StatusCreated, r.Code, "%s", r.Body)
+				return wc.trips.Load() - before
+			}
+			for i := 0; i < 3; i++ { // warm-up: connection, statement caches
+				w := fmt.Sprintf("warm_%d", i)
+				serve(first, w)
+				serve(second, w)
+				serve(second, w)
+			}
+			newEvent := serve(first, "evt_1")
+			firstReplay := serve(second, "evt_1")
+			cachedReplay := serve(second, "evt_1")
+			t.Logf("%s: new event %d round trips, first replay on an instance %d, cached replay %d", adapter, newEvent, firstReplay, cachedReplay)
+			assert.Equal(t, want[adapter], [3]int64{newEvent, firstReplay, cachedReplay})
+			assert.Equal(t, 1+3, f.ledgerRows())
+		})
+	}
+}
+
+// serveDirect serves one delivery of id through h, without HTTP.
+func serveDirect(t testing.TB, h http.Handler, id string) *httptest.ResponseRecorder {
+	t.Helper()
+	req := httptest.NewRequest(http.MethodPost, "/hook", strings.NewReader("{}"))
+	req.Header.Set("X-Event-Id", id)
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	return rec
+}
