@@ -126,3 +126,13 @@ func poolInUse(t testing.TB, db *sql.DB) int {
 	}
 	return db.Stats().InUse
 }
+
+// newPgxPool opens a pgx pool on dsn, closed when t ends; it does not
+// connect.
+func newPgxPool(t testing.TB, dsn string) *pgxpool.Pool {
+	t.Helper()
+	p, err := pgxpool.New(context.Background(), dsn)
+	require.NoError(t, err)
+	t.Cleanup(p.Close)
+	return p
+}
