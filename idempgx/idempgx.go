@@ -127,34 +127,31 @@ type pgxDriver struct {
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
 
-// Begin sends BEGIN, the claim and the lookup in one round trip. The
-// lookup is a statement of its own, so it sees rows committed while the
-// claim ran; it costs a new event no round trip, and saves a duplicate one.
+// Begin sends BEGIN and the claim in one round trip. A new event needs no
+// more. A duplicate then reads the key's row and ends the transaction in a
+// second round trip (the lookup is a statement of its own, so it sees rows
+// committed while the claim ran); if the key is in flight, the wait begins
+// a new transaction in its own round trip.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
 	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
-	var b pgx.Batch
-	b.BeginTx(d.begin)
-	b.Queue(d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock)
-	b.Queue(d.q.Lookup, a.Source, a.EventID, a.Lock)
-	br := t.c.SendBatch(ctx, &b)
-	t.h = &handleTx{tx: br.Tx()}
 	var begun driver.Begun
-	_, err = br.Exec()
-	if err == nil {
-		err = br.QueryRow().Scan(&begun.Won)
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
-	}
-	if err == nil {
+	begun.Won, err = t.Claim(ctx, a)
+	if err == nil && !begun.Won {
+		var b pgx.Batch
+		b.Queue(d.q.Lookup, a.Source, a.EventID, a.Lock)
+		b.Queue("ROLLBACK")
+		br := t.c.SendBatch(ctx, &b)
 		begun.Row, err = scanRow(br.QueryRow(), nil)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		if err == nil {
+			t.open = false
+		}
 	}
 	if err != nil {
 		_ = t.Rollback(ctx)
@@ -190,24 +187,63 @@ type claimTx struct {
 	conn *pgxpool.Conn
 	c    *pgx.Conn
 	h    *handleTx // what the handler gets
+	open bool      // a transaction is open on c
 	done bool      // committed or rolled back, connection released
+}
+
+// send sends a batch of the statements that queue adds, with BEGIN in
+// front when no transaction is open, and reads BEGIN's result. The caller
+// reads the rest and closes the results.
+func (t *claimTx) send(ctx context.Context, queue func(*pgx.Batch)) (pgx.BatchResults, error) {
+	var b pgx.Batch
+	begins := !t.open
+	if begins {
+		b.BeginTx(t.d.begin)
+	}
+	queue(&b)
+	br := t.c.SendBatch(ctx, &b)
+	if !begins {
+		return br, nil
+	}
+	t.h = &handleTx{tx: br.Tx()}
+	if _, err := br.Exec(); err != nil {
+		return br, err
+	}
+	t.open = true
+	return br, nil
 }
 
 func (t *claimTx) Handle() any { return t.h }
 
+// Claim claims the key, in the open transaction or in a new one begun in
+// the same round trip.
 func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock) })
 	var won bool
-	err := t.c.QueryRow(ctx, t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
+	if err == nil {
+		err = br.QueryRow().Scan(&won)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
 	}
 	return won, err
 }
 
+// Wait waits for the key's lock, in the open transaction or in a new one
+// begun in the same round trip.
 func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Wait, lock, driver.LockTimeout(d)) })
 	var old string
-	var locked *string
-	err := t.c.QueryRow(ctx, t.d.q.Wait, lock, driver.LockTimeout(d)).Scan(&old, &locked)
+	if err == nil {
+		var locked *string
+		err = br.QueryRow().Scan(&old, &locked)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	return old, err
 }
 
@@ -255,7 +291,7 @@ func (t *claimTx) Rollback(ctx context.Context) error {
 		return nil
 	}
 	var err error
-	if t.h.tx != nil && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
+	if t.open && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 		err = t.h.tx.Rollback(rctx)
 		cancel()

@@ -80,7 +80,7 @@ func run() int {
 		dflt = defaultDatabaseURL
 	}
 	flag.StringVar(&cfg.DatabaseURL, "database-url", dflt, "PostgreSQL admin URL; the tool creates and drops its own database there (default $DATABASE_URL or the local server)")
-	flag.StringVar(&receivers, "receivers", "bare,inline,idem,idem-nocache,peer", "receivers to run, in order: bare, inline, idem, idem-nocache, peer, http-floor, fiber-floor")
+	flag.StringVar(&receivers, "receivers", "bare,inline,idem,idem-nocache,bare-pgx,idempgx,peer", "receivers to run, in order: bare, inline, idem, idem-nocache, bare-pgx, idempgx, peer, http-floor, fiber-floor")
 	flag.BoolVar(&floors, "floors", false, "add http-floor and fiber-floor: the HTTP stacks with no database, the ceiling of this machine")
 	flag.BoolVar(&noPeer, "no-peer", false, "leave the peer out even when Redis answers")
 	flag.StringVar(&mixes, "mix", "new,dup", "mixes, each run in turn: new (unique keys), dup (completed duplicates only) or a duplicate share in [0,1]")

@@ -17,7 +17,9 @@ import (
 	"github.com/gofiber/fiber/v3"
 	"github.com/gofiber/fiber/v3/middleware/idempotency"
 	redisstore "github.com/gofiber/storage/redis/v3"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -30,6 +32,8 @@ const (
 	kindInline     = "inline"       // the seed's SQL by hand around the same write
 	kindIdem       = "idem"         // idem's middleware around the same write
 	kindIdemCold   = "idem-nocache" // idem with its replay cache off: every duplicate asks PostgreSQL
+	kindIdemPgx    = "idempgx"      // idem's pgx adapter (idempgx) around the same write, on a pgxpool
+	kindBarePgx    = "bare-pgx"     // the ledger write in a plain pgx transaction (pool.Begin, INSERT, Commit)
 	kindPeer       = "peer"         // Fiber v3 middleware/idempotency with Redis storage
 	kindHTTPFloor  = "http-floor"   // net/http, no database: the HTTP stack's own ceiling
 	kindFiberFloor = "fiber-floor"  // Fiber, no database: the same for the peer's stack
@@ -61,8 +65,9 @@ type receiver struct {
 	url        string // POST target
 	idempotent bool   // duplicates must be answered with the first answer
 	usesDB     bool
-	db         *sql.DB
-	ledger     string // ledger table
+	db         *sql.DB       // setup, checks, and the database/sql receivers' pool
+	pgx        *pgxpool.Pool // the pgx receivers' pool
+	ledger     string        // ledger table
 	keys       string // idempotency table (idem, inline)
 	client     *http.Client
 	stop       func()
@@ -102,9 +107,9 @@ type env struct {
 func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*receiver, error) {
 	rc := &receiver{name: kind, prefix: e.run + kind + ":"}
 	switch kind {
-	case kindBare, kindInline, kindIdem, kindIdemCold, kindPeer:
+	case kindBare, kindInline, kindIdem, kindIdemCold, kindPeer, kindIdemPgx, kindBarePgx:
 		rc.usesDB = true
-		rc.idempotent = kind != kindBare
+		rc.idempotent = kind != kindBare && kind != kindBarePgx
 	}
 	if rc.usesDB {
 		db, err := openCounted(e.dbURL, e.pool)
@@ -122,7 +127,22 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		}
 	}
 	var err error
+	if kind == kindIdemPgx || kind == kindBarePgx {
+		rc.pgx, err = openPgx(ctx, e.dbURL, e.pool)
+		if err != nil {
+			rc.db.Close()
+			return nil, err
+		}
+	}
 	switch kind {
+	case kindBarePgx:
+		err = rc.serveHTTP(benchref.BarePgxHandler(rc.pgx, rc.ledger))
+	case kindIdemPgx:
+		var m *idem.Middleware
+		m, err = idempgx.New(rc.pgx, idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys})
+		if err == nil {
+			err = rc.serveHTTP(m.Handler(benchref.IdemPgxHandler(rc.ledger)))
+		}
 	case kindBare:
 		err = rc.serveHTTP(benchref.BareHandler(rc.db, rc.ledger))
 	case kindInline:
@@ -147,9 +167,7 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		err = fmt.Errorf("unknown receiver %q", kind)
 	}
 	if err != nil {
-		if rc.db != nil {
-			rc.db.Close()
-		}
+		rc.closePools()
 		return nil, err
 	}
 	rc.client = &http.Client{Transport: &http.Transport{
@@ -189,7 +207,26 @@ func (rc *receiver) createTables(ctx context.Context, kind string) error {
 
 // hasKeyTable: the receiver keeps its keys in an idem-schema table.
 func hasKeyTable(kind string) bool {
-	return kind == kindIdem || kind == kindIdemCold || kind == kindInline
+	return kind == kindIdem || kind == kindIdemCold || kind == kindInline || kind == kindIdemPgx
+}
+
+// openPgx opens the pgx receivers' pool of size connections.
+func openPgx(ctx context.Context, url string, size int) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = int32(size)
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+func (rc *receiver) closePools() {
+	if rc.pgx != nil {
+		rc.pgx.Close()
+	}
+	if rc.db != nil {
+		rc.db.Close()
+	}
 }
 
 func (rc *receiver) close() {
@@ -197,9 +234,7 @@ func (rc *receiver) close() {
 		rc.stop()
 	}
 	rc.client.CloseIdleConnections()
-	if rc.db != nil {
-		rc.db.Close()
-	}
+	rc.closePools()
 }
 
 // serveHTTP serves h with net/http on a loopback port, behind the wrapper

@@ -96,13 +96,13 @@ func (r *report) addMix(m mix, rcs []*receiver) {
 		mr.Receivers = append(mr.Receivers, rr)
 		rc.res = nil
 	}
-	for _, num := range []string{kindIdem, kindIdemCold} {
+	for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
 		idem, ok := tp[num]
 		if !ok {
 			continue
 		}
-		for _, other := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
-			if v, ok := tp[other]; ok && v > 0 {
+		for _, other := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			if v, ok := tp[other]; ok && v > 0 && other != num {
 				mr.Ratios[num+"/"+other] = idem / v
 			}
 		}
@@ -198,9 +198,9 @@ func (r *report) writeText(w io.Writer) {
 				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, stmtsCell(rr.New), stmtsCell(rr.Dup))
 		}
 		_ = tw.Flush()
-		for _, num := range []string{kindIdem, kindIdemCold} {
+		for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
 			var parts []string
-			for _, den := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			for _, den := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
 				if v, ok := m.Ratios[num+"/"+den]; ok {
 					parts = append(parts, fmt.Sprintf("/%s %.2f", den, v))
 				}
@@ -290,9 +290,9 @@ func (r *report) writeMarkdown(w io.Writer) {
 			fmt.Fprintf(w, "| %s | %.0f | %.2f | %.2f | %.2f | %s | %.0f |\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
 				strings.ReplaceAll(stmtsCell(st), "|", "/"), rr.AllocObjects)
 		}
-		for _, num := range []string{kindIdem, kindIdemCold} {
+		for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
 			var parts []string
-			for _, den := range []string{kindInline, kindBare, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			for _, den := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
 				if v, ok := m.Ratios[num+"/"+den]; ok {
 					parts = append(parts, fmt.Sprintf("%s/%s **%.2f**", num, den, v))
 				}
