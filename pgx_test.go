@@ -56,8 +56,7 @@ func TestMixedFleetReplaysEachOthersAnswers(t *testing.T) {
 // rollback undoes only its own writes. All of it commits with the answer.
 func TestPgxTxWorksAsAPgxTx(t *testing.T) {
 	t.Parallel()
-	var f *fixture
-	f = newFixture(t, idem.Options{}, nil)
+	f := newFixture(t, idem.Options{}, nil)
 	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
 	require.NoError(t, err)
 	var loOID uint32

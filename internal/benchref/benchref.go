@@ -54,24 +54,35 @@ func WriteJSON(w http.ResponseWriter, status int, body []byte) {
 // IdemHandler is the handler behind the middleware: the ledger write in
 // the middleware's transaction.
 func IdemHandler(ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return idemHandler(func(r *http.Request, eventID string, body []byte) (int64, bool, error) {
 		tx, ok := idem.Tx(r.Context())
 		if !ok {
-			http.Error(w, "no transaction", http.StatusInternalServerError)
-			return
+			return 0, false, nil
 		}
+		id, err := LedgerInsert(r.Context(), tx, ledger, eventID, body)
+		return id, true, err
+	})
+}
+
+// idemHandler answers the ledger row that insert writes in the request's
+// transaction (ok false: there is none).
+func idemHandler(insert func(r *http.Request, eventID string, body []byte) (id int64, ok bool, err error)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key, _ := idem.KeyFromContext(r.Context())
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
 			http.Error(w, "read body", http.StatusBadRequest)
 			return
 		}
-		id, err := LedgerInsert(r.Context(), tx, ledger, key.EventID, body)
-		if err != nil {
+		id, ok, err := insert(r, key.EventID, body)
+		switch {
+		case !ok:
+			http.Error(w, "no transaction", http.StatusInternalServerError)
+		case err != nil:
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
+		default:
+			WriteJSON(w, http.StatusCreated, Answer(id, key.EventID))
 		}
-		WriteJSON(w, http.StatusCreated, Answer(id, key.EventID))
 	})
 }
 

@@ -11,8 +11,6 @@ import (
 	"github.com/pgidem/idem/idempgx"
 )
 
-
-
 // LedgerInsertPgx appends one row to the ledger in tx and returns its id.
 func LedgerInsertPgx(ctx context.Context, tx pgx.Tx, ledger, eventID string, body []byte) (int64, error) {
 	var id int64
@@ -24,24 +22,13 @@ func LedgerInsertPgx(ctx context.Context, tx pgx.Tx, ledger, eventID string, bod
 // IdemPgxHandler is the handler behind idempgx's middleware: the ledger
 // write in the middleware's pgx transaction.
 func IdemPgxHandler(ledger string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return idemHandler(func(r *http.Request, eventID string, body []byte) (int64, bool, error) {
 		tx, ok := idempgx.Tx(r.Context())
 		if !ok {
-			http.Error(w, "no transaction", http.StatusInternalServerError)
-			return
+			return 0, false, nil
 		}
-		key, _ := idem.KeyFromContext(r.Context())
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, "read body", http.StatusBadRequest)
-			return
-		}
-		id, err := LedgerInsertPgx(r.Context(), tx, ledger, key.EventID, body)
-		if err != nil {
-			http.Error(w, "ledger write failed", http.StatusInternalServerError)
-			return
-		}
-		WriteJSON(w, http.StatusCreated, Answer(id, key.EventID))
+		id, err := LedgerInsertPgx(r.Context(), tx, ledger, eventID, body)
+		return id, true, err
 	})
 }
 

@@ -68,7 +68,7 @@ type receiver struct {
 	db         *sql.DB       // setup, checks, and the database/sql receivers' pool
 	pgx        *pgxpool.Pool // the pgx receivers' pool
 	ledger     string        // ledger table
-	keys       string // idempotency table (idem, inline)
+	keys       string        // idempotency table (idem, inline)
 	client     *http.Client
 	stop       func()
 
