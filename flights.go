@@ -20,17 +20,22 @@ type flights struct {
 }
 
 // enter makes the caller the key's runner on this instance and returns nil,
-// or returns a channel that closes when the current runner leaves.
+// or returns a channel that closes when the current runner leaves. The
+// channel is made for the first waiter: most keys never have one.
 func (f *flights) enter(k Key) <-chan struct{} {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if c, ok := f.m[k]; ok {
+		if c == nil {
+			c = make(chan struct{})
+			f.m[k] = c
+		}
 		return c
 	}
 	if f.m == nil {
 		f.m = make(map[Key]chan struct{})
 	}
-	f.m[k] = make(chan struct{})
+	f.m[k] = nil
 	return nil
 }
 
@@ -40,7 +45,9 @@ func (f *flights) leave(k Key) {
 	c := f.m[k]
 	delete(f.m, k)
 	f.mu.Unlock()
-	close(c)
+	if c != nil {
+		close(c)
+	}
 }
 
 // waitSlots bounds how many claims wait in PostgreSQL for an original at
