@@ -2,17 +2,14 @@ package idem
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"fmt"
-	"net/url"
 	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
 
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/pgidem/idem/internal/testdb"
 	"go.uber.org/goleak"
 )
 
@@ -20,8 +17,6 @@ import (
 // binary (dropped at the end) and one table per test inside it, so parallel
 // tests and concurrent runs never see each other's keys. A test that needs
 // the database fails, never skips, when the server is not there.
-
-const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 
 var (
 	testDBOnce sync.Once
@@ -53,42 +48,11 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func adminURL() string {
-	if u := os.Getenv("DATABASE_URL"); u != "" {
-		return u
-	}
-	return defaultDatabaseURL
-}
+func adminURL() string { return testdb.AdminURL() }
 
-func createTestDatabase() (string, string, error) {
-	admin, err := sql.Open("pgx", adminURL())
-	if err != nil {
-		return "", "", err
-	}
-	defer admin.Close()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	name := "idem_test_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
-		return "", "", fmt.Errorf("cannot create a test database through DATABASE_URL=%s (is PostgreSQL running? see README): %w", adminURL(), err)
-	}
-	u, err := url.Parse(adminURL())
-	if err != nil {
-		return "", "", err
-	}
-	u.Path = "/" + name
-	return u.String(), name, nil
-}
+func createTestDatabase() (string, string, error) { return testdb.Create("idem_test") }
 
-func dropTestDatabase() error {
-	admin, err := sql.Open("pgx", adminURL())
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	_, err = admin.Exec("DROP DATABASE IF EXISTS " + testDBName + " WITH (FORCE)")
-	return err
-}
+func dropTestDatabase() error { return testdb.Drop(testDBName) }
 
 // testDatabaseURL returns the URL of this test binary's own database.
 func testDatabaseURL(t testing.TB) string {
