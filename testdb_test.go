@@ -48,8 +48,6 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func adminURL() string { return testdb.AdminURL() }
-
 func createTestDatabase() (string, string, error) { return testdb.Create("idem_test") }
 
 func dropTestDatabase() error { return testdb.Drop(testDBName) }
