@@ -5,13 +5,19 @@
 //
 //	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe()}) // db: *sql.DB on pgx
 //	r.Use(mw.Handler)                                            // chi, gorilla/mux; or mw.Handler(h)
-//	tx, _ := idem.Tx(r.Context())                                // in the handler: write through tx
+//	tx, ok := idem.Tx(r.Context())                               // in the handler: write through tx
+//
+// For a pgx pool (handlers that take a pgx.Tx, such as sqlc's pgx/v5 mode),
+// package github.com/pgidem/idem/idempgx builds the same middleware on the
+// same table, and sends fewer round trips.
 //
 // For each request with a covered method (POST, PUT, PATCH, DELETE by
 // default) the middleware reads the body (bounded by Options.MaxBodyBytes),
 // extracts a Key with the KeyFunc, begins a transaction and claims the key
-// with a single INSERT ... ON CONFLICT DO NOTHING: the primary key
-// (source, event_id) is the lock. The handler runs with the transaction in
+// with a single INSERT ... ON CONFLICT DO NOTHING, gated on a transaction
+// advisory lock of the key taken without waiting: the primary key
+// (source, event_id) decides who owns the key, and the lock lets a
+// duplicate see at once that the original is still in flight. The handler runs with the transaction in
 // its context (Tx), so its business writes commit or roll back together with
 // the claim. Its answer is buffered; a final answer (2xx by default) is
 // stored on the claimed row and committed, and only then sent. Anything else
@@ -22,8 +28,10 @@
 // A duplicate of a completed key gets the stored status, allow-listed
 // headers and exact body bytes, with Idempotent-Replayed: true, without
 // running the handler. A duplicate of a key still in flight waits at most
-// Options.LockWait for the original, then replays its answer or gets 409
-// with Retry-After. A key reused with a different body gets 422. Bad input
+// Options.LockWait for the original, then replays its answer, runs in its
+// place if the original rolled back, or gets 409 with Retry-After.
+// Duplicates of one key on one instance wait in memory, holding no pooled
+// connection. A key reused with a different body gets 422. Bad input
 // gets 400 or 413 and leaves nothing behind; a database that fails gets 503
 // with Retry-After. The middleware never answers 410, which Standard
 // Webhooks senders take as "disable this endpoint". Its own error answers

@@ -19,7 +19,13 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	exported, fields := exportedAPI(t)
+	exported, fields := exportedAPI(t, ".")
+	pgxExported, _ := exportedAPI(t, "idempgx")
+	for _, m := range regexp.MustCompile(`\bidempgx\.([A-Z]\w*)`).FindAllStringSubmatch(string(readme), -1) {
+		if !pgxExported[m[1]] {
+			t.Errorf("README mentions idempgx.%s, which package idempgx does not export", m[1])
+		}
+	}
 
 	for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(readme), -1) {
 		if !exported[m[1]] {
@@ -49,12 +55,12 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 	}
 }
 
-// exportedAPI parses the package's non-test files: its exported names, and
-// the fields of Options.
-func exportedAPI(t *testing.T) (names, optionFields map[string]bool) {
+// exportedAPI parses the non-test files of the package in dir: its exported
+// names, and the fields of Options.
+func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool) {
 	t.Helper()
 	names, optionFields = map[string]bool{}, map[string]bool{}
-	files, _ := filepath.Glob("*.go")
+	files, _ := filepath.Glob(filepath.Join(dir, "*.go"))
 	fset := token.NewFileSet()
 	for _, name := range files {
 		if strings.HasSuffix(name, "_test.go") {
