@@ -136,3 +136,25 @@ func newPgxPool(t testing.TB, dsn string) *pgxpool.Pool {
 	t.Cleanup(p.Close)
 	return p
 }
+
+// storeEvent is the table event that stores an answer, for a trigger that
+// makes it fail: the UPDATE of the claim, or, on idempgx at READ COMMITTED
+// (its claim takes the key's lock and reads; the completed row is inserted
+// with the answer), the INSERT.
+func storeEvent() string {
+	if onPgx {
+		return "INSERT"
+	}
+	return "UPDATE"
+}
+
+// claimFirst returns opts such that a trigger on the table's INSERT fails
+// the claim itself: on idempgx, REPEATABLE READ, under which it claims by
+// inserting the key first, as database/sql does. At READ COMMITTED its
+// claim writes nothing, and such failures cannot happen there.
+func claimFirst(opts idem.Options) idem.Options {
+	if onPgx {
+		opts.TxOptions = &sql.TxOptions{Isolation: sql.LevelRepeatableRead}
+	}
+	return opts
+}

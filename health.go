@@ -349,8 +349,9 @@ WHERE completed_at IS NULL ORDER BY claimed_at LIMIT `+strconv.Itoa(maxListed))
 // first. A claim in flight is an uncommitted insert, invisible to every
 // other session, and holds a transaction-level advisory lock on its key
 // until it ends: so a claim is a session of this database that holds a
-// granted advisory lock on a bigint key and a RowExclusiveLock on the table
-// (taken by its INSERT), the locks every claim transaction holds. A
+// granted advisory lock on a bigint key and a lock on the table (taken by
+// its INSERT, or by the read of a claim that inserts its row at the end, as
+// idempgx does), the locks every claim transaction holds to its end. A
 // duplicate in the few milliseconds between taking the lock and rolling
 // back matches too; a sweep (no advisory lock) or a session waiting for a
 // lock it does not hold does not.
@@ -362,7 +363,7 @@ SELECT a.pid, a.xact_start, coalesce(extract(epoch FROM now() - a.xact_start), 0
 FROM pg_stat_activity a
 WHERE a.pid <> pg_backend_pid()
   AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
-              AND l.locktype = 'relation' AND l.relation = to_regclass($1) AND l.mode = 'RowExclusiveLock')
+              AND l.locktype = 'relation' AND l.relation = to_regclass($1))
   AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
               AND l.locktype = 'advisory' AND l.objsubid = 1)
 ORDER BY a.xact_start NULLS FIRST, a.pid`, t.quoted)

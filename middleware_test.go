@@ -603,7 +603,7 @@ func TestSerializationFailuresInTheClaimAreRetried(t *testing.T) {
 		{"serialization failures every time", "40001", 100, http.StatusConflict, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f := newFixture(t, idem.Options{}, nil)
+			f := newFixture(t, claimFirst(idem.Options{}), nil)
 			// A trigger makes the real server fail the claim's INSERT with the
 			// SQLSTATE under test, the first N times.
 			_, err := f.db.Exec(fmt.Sprintf(`
@@ -640,7 +640,7 @@ func TestStoreAndCommitFailuresDropTheBufferedAnswer(t *testing.T) {
 		{"storing the response fails", `
 			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
 			BEGIN RAISE EXCEPTION 'injected store failure'; END $$;
-			CREATE TRIGGER fail BEFORE UPDATE ON %[1]s FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`},
+			CREATE TRIGGER fail BEFORE ` + storeEvent() + ` ON %[1]s FOR EACH ROW EXECUTE FUNCTION %[1]s_fail();`},
 		{"COMMIT fails", `
 			CREATE FUNCTION %[1]s_fail() RETURNS trigger LANGUAGE plpgsql AS $$
 			BEGIN RAISE EXCEPTION 'injected commit failure'; END $$;

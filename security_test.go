@@ -216,7 +216,7 @@ func TestNoOutcomeLogsABody(t *testing.T) {
 	// Storing the answer of evt_store fails.
 	_, err := f.db.Exec(`CREATE FUNCTION ` + f.table + `_fail() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN IF NEW.event_id = 'evt_store' THEN RAISE EXCEPTION 'injected store failure'; END IF; RETURN NEW; END $$;
-		CREATE TRIGGER fail BEFORE UPDATE ON "` + f.table + `" FOR EACH ROW EXECUTE FUNCTION ` + f.table + `_fail()`)
+		CREATE TRIGGER fail BEFORE ` + storeEvent() + ` ON "` + f.table + `" FOR EACH ROW EXECUTE FUNCTION ` + f.table + `_fail()`)
 	require.NoError(t, err)
 	body := `{"card": "` + secret + `"}`
 
@@ -289,7 +289,7 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		{"the table is missing", `DROP TABLE "%[1]s"`, nil, http.StatusServiceUnavailable},
 		{"the claim fails", failing(`BEFORE INSERT ON "%[1]s"`, "P0001"), nil, http.StatusServiceUnavailable},
 		{"the claim keeps conflicting", failing(`BEFORE INSERT ON "%[1]s"`, "40001"), nil, http.StatusConflict},
-		{"storing the answer fails", failing(`BEFORE UPDATE ON "%[1]s"`, "P0001"), nil, http.StatusServiceUnavailable},
+		{"storing the answer fails", failing(`BEFORE `+storeEvent()+` ON "%[1]s"`, "P0001"), nil, http.StatusServiceUnavailable},
 		{"COMMIT fails", failing("AFTER INSERT ON %[2]s DEFERRABLE INITIALLY DEFERRED", "P0001"), nil, http.StatusServiceUnavailable},
 		{"the handler's statement failed and it answered 201 anyway", "", func(f *fixture) http.Handler {
 			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -313,7 +313,7 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var f *fixture
-			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			f = newFixture(t, claimFirst(idem.Options{}), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if tc.inner != nil {
 					tc.inner(f).ServeHTTP(w, r)
 					return

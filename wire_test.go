@@ -100,7 +100,7 @@ func TestRoundTripsOnTheWire(t *testing.T) {
 	t.Parallel()
 	want := map[string][3]int64{
 		"database/sql": {5, 4, 0}, // B, claim, ledger, UPDATE, C; B, claim, lookup, R
-		"pgx":          {3, 2, 0}, // [B claim], ledger, [UPDATE C]; [B claim], [lookup R]
+		"pgx":          {3, 2, 0}, // [B lock read], ledger, [INSERT C]; [B lock read], R
 	}
 	for _, adapter := range []string{"database/sql", "pgx"} {
 		t.Run(adapter, func(t *testing.T) {

@@ -52,8 +52,9 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 		return nil, err
 	}
 	poolCap := int(pool.Config().MaxConns)
+	lockFirst := begin.IsoLevel == "" || begin.IsoLevel == pgx.ReadCommitted || begin.IsoLevel == pgx.ReadUncommitted
 	mw, err := driver.NewMiddleware(func(q driver.Queries) driver.Driver {
-		return &pgxDriver{pool: pool, q: q, begin: begin, poolCap: poolCap}
+		return &pgxDriver{pool: pool, q: q, begin: begin, poolCap: poolCap, lockFirst: lockFirst}
 	}, opts)
 	if err != nil {
 		return nil, err
@@ -123,15 +124,22 @@ type pgxDriver struct {
 	q       driver.Queries
 	begin   pgx.TxOptions
 	poolCap int
+	// lockFirst: at READ COMMITTED (the default), a claim takes the key's
+	// lock and reads its row, and the completed row is inserted at the end,
+	// with the answer. Under REPEATABLE READ or SERIALIZABLE a statement's
+	// snapshot can predate the lock, so the claim inserts the key first and
+	// the answer is an UPDATE, as on database/sql.
+	lockFirst bool
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
 
-// Begin sends BEGIN and the claim in one round trip. A new event needs no
-// more. A duplicate then reads the key's row and ends the transaction in a
-// second round trip (the lookup is a statement of its own, so it sees rows
-// committed while the claim ran); if the key is in flight, the wait begins
-// a new transaction in its own round trip.
+// Begin claims the key in a transaction begun in the same round trip. At
+// READ COMMITTED: BEGIN, the key's lock taken without waiting, and its row
+// read by a statement of its own (so it sees rows committed before the lock
+// was taken); a new event needs no more until the answer. Otherwise: BEGIN
+// and the claim's INSERT, then, for a duplicate, the lookup with ROLLBACK.
+// Either way a first replay costs two round trips.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
@@ -139,18 +147,12 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 	}
 	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
 	var begun driver.Begun
-	begun.Won, err = t.Claim(ctx, a)
-	if err == nil && !begun.Won {
-		var b pgx.Batch
-		b.Queue(d.q.Lookup, a.Source, a.EventID, a.Lock)
-		b.Queue("ROLLBACK")
-		br := t.c.SendBatch(ctx, &b)
-		begun.Row, err = scanRow(br.QueryRow(), nil)
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-		if err == nil {
-			t.open = false
+	if d.lockFirst {
+		begun, err = t.lockAndRead(ctx, a)
+	} else {
+		begun.Won, err = t.insertClaim(ctx, a)
+		if err == nil && !begun.Won {
+			begun.Row, err = t.lookupAndEnd(ctx, a)
 		}
 	}
 	if err != nil {
@@ -158,6 +160,81 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		return nil, driver.Begun{}, err
 	}
 	return t, begun, nil
+}
+
+// lockAndRead takes the key's lock without waiting and reads its row, in
+// the open transaction or a new one begun in the same round trip. The key
+// is won when the lock is taken and there is no row: the completed row is
+// then inserted by Commit.
+func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) {
+		b.Queue(t.d.q.TryLock, a.Lock)
+		b.Queue(t.d.q.Read, a.Source, a.EventID)
+	})
+	var begun driver.Begun
+	if err == nil {
+		err = br.QueryRow().Scan(&begun.Row.GotLock)
+	}
+	if err == nil {
+		begun.Row, err = scanRead(br.QueryRow(), begun.Row)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	begun.Won = err == nil && begun.Row.GotLock && !begun.Row.Visible
+	t.insertAtEnd = begun.Won
+	return begun, err
+}
+
+// insertClaim inserts the claim, in the open transaction or a new one begun
+// in the same round trip.
+func (t *claimTx) insertClaim(ctx context.Context, a *driver.Args) (bool, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock) })
+	var won bool
+	if err == nil {
+		err = br.QueryRow().Scan(&won)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return won, err
+}
+
+// lookupAndEnd reads the key's row and ends the transaction in one round
+// trip; if the key is in flight, the wait begins a new one.
+func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row, error) {
+	var b pgx.Batch
+	b.Queue(t.d.q.Lookup, a.Source, a.EventID, a.Lock)
+	b.Queue("ROLLBACK")
+	br := t.c.SendBatch(ctx, &b)
+	row, err := scanRow(br.QueryRow(), nil)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		t.open = false
+	}
+	return row, err
+}
+
+// scanRead reads the Read statement's row into row; no row is Visible false.
+func scanRead(r pgx.Row, row driver.Row) (driver.Row, error) {
+	var status *int32
+	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return row, nil
+	}
+	if err != nil {
+		return row, err
+	}
+	row.Visible = true
+	if status != nil {
+		row.Status = int(*status)
+	}
+	return row, nil
 }
 
 // scanRow reads a lookup's row; extra receives a trailing column.
@@ -189,6 +266,8 @@ type claimTx struct {
 	h    *handleTx // what the handler gets
 	open bool      // a transaction is open on c
 	done bool      // committed or rolled back, connection released
+	// insertAtEnd: the key was won lock-first; Commit inserts its row.
+	insertAtEnd bool
 }
 
 // send sends a batch of the statements that queue adds, with BEGIN in
@@ -216,20 +295,14 @@ func (t *claimTx) send(ctx context.Context, queue func(*pgx.Batch)) (pgx.BatchRe
 func (t *claimTx) Handle() any { return t.h }
 
 // Claim claims the key, in the open transaction or in a new one begun in
-// the same round trip.
+// the same round trip: at READ COMMITTED, by the lock (held after a wait)
+// and the absence of a row, the completed row to be inserted by Commit.
 func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock) })
-	var won bool
-	if err == nil {
-		err = br.QueryRow().Scan(&won)
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
+	if t.d.lockFirst {
+		begun, err := t.lockAndRead(ctx, a)
+		return begun.Won, err
 	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	return won, err
+	return t.insertClaim(ctx, a)
 }
 
 // Wait waits for the key's lock, in the open transaction or in a new one
@@ -252,17 +325,22 @@ func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeo
 	return scanRow(t.c.QueryRow(ctx, t.d.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
 }
 
-// Commit sends the stored answer and COMMIT in one round trip. The answer's
-// statement fails when it finds no claim to complete, so that the COMMIT
-// behind it cannot commit the handler's writes without their answer; a
-// COMMIT that comes back as ROLLBACK (a statement failed earlier) is an
-// error.
+// Commit sends the stored answer and COMMIT in one round trip. The answer
+// is the key's completed row, inserted (a key won lock-first; the primary
+// key refuses a second row), or an UPDATE of the claim that fails when it
+// finds no claim to complete; either way the COMMIT behind it cannot commit
+// the handler's writes without their answer. A COMMIT that comes back as
+// ROLLBACK (a statement failed earlier) is an error.
 func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
 	if m := t.h.misuse; m != "" {
 		return fmt.Errorf("%w: the handler called %s on the request's transaction", driver.ErrTxDone, m)
 	}
 	var b pgx.Batch
-	b.Queue(t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
+	if t.insertAtEnd {
+		b.Queue(t.d.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
+	} else {
+		b.Queue(t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
+	}
 	b.Queue("COMMIT")
 	br := t.c.SendBatch(ctx, &b)
 	_, err := br.Exec()

@@ -91,6 +91,11 @@ func LockTimeout(d time.Duration) string {
 // Queries are the statements of the claim, for one quoted table name.
 type Queries struct {
 	Claim, Lookup, LookupRestoring, Wait, Complete string
+	// TryLock, Read and InsertCompleted are the lock-first claim: take the
+	// key's lock without waiting, read its row with a new statement (whose
+	// snapshot comes after the lock), and at the end insert the completed
+	// row, one row write instead of the claim's INSERT and UPDATE.
+	TryLock, Read, InsertCompleted string
 	// CompleteOrFail is Complete that fails (division by zero) when it
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
@@ -143,6 +148,12 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 
 		// completed_at IS NULL: a second completion changes nothing.
 		Complete: complete,
+
+		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
+		Read: `SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL
+FROM ` + q + ` WHERE source = $1 AND event_id = $2`,
+		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
+VALUES ($1, $2, $3, $4, $5, $6, now())`,
 
 		CompleteOrFail: `WITH u AS (` + complete + `
 RETURNING 1)
