@@ -16,7 +16,9 @@ DB=idem_pgbench_$$
 psql "${CONN[@]}" -qc "CREATE DATABASE $DB"
 trap 'psql "${CONN[@]}" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)"' EXIT
 psql "${CONN[@]}" -d "$DB" -q -v ON_ERROR_STOP=1 -f schema.sql
-scripts=(new-bare new-inline new-idem new-idem-lookupfirst new-insert-at-end dup-inline dup-idem dup-select)
+scripts=(new-bare new-inline new-idem new-idem-lookupfirst new-insert-at-end new-idempgx dup-inline dup-idem dup-select)
+# SCRIPTS="new-bare new-idempgx" runs only those.
+if [ -n "${SCRIPTS:-}" ]; then read -r -a scripts <<<"$SCRIPTS"; fi
 for r in $(seq 1 "$ROUNDS"); do
   for s in "${scripts[@]}"; do
     tps=$(pgbench "${CONN[@]}" -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_EACH" -f "$s.sql" "$DB" 2>&1 |
