@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idempgx"
 	"github.com/stretchr/testify/assert"
@@ -174,4 +175,32 @@ func TestIdempgxNewNeedsNoServer(t *testing.T) {
 
 	_, err = idempgx.New(nil, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id")})
 	assert.Error(t, err)
+}
+
+// TestOperationsFromAPgxPool: sweep, check and stats take a *sql.DB; the
+// README's one-liner, stdlib.OpenDBFromPool, gives them one on a pgx
+// pool's connections, and they see the keys idempgx stored.
+func TestOperationsFromAPgxPool(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	pool := pgxPoolFor(t, f.db)
+	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, serveDirect(t, mw.Handler(f.inner), "evt_ops").Code)
+
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	ctx := context.Background()
+	st, err := idem.Stats(ctx, db, idem.StatsOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), st.Rows)
+	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.Rows)
+	_, err = f.db.Exec(`UPDATE "` + f.table + `" SET claimed_at = now() - interval '60 days'`)
+	require.NoError(t, err)
+	res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), res.Removed)
+	assert.Equal(t, 0, f.keys())
 }
