@@ -3,7 +3,6 @@ package idem_test
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -447,49 +446,28 @@ func TestInFlightDuplicateWithDifferentBodyGets422AfterTheWait(t *testing.T) {
 	assert.Equal(t, http.StatusUnprocessableEntity, (<-dup).status)
 }
 
-// waitForWaiters returns when n duplicates wait for an original: in this
-// instance's memory (a duplicate of an original running on the same
-// instance) or in PostgreSQL, on the key's advisory lock.
+// waitForWaiters returns when n duplicates of evt_1 wait for its original
+// on f.mw or in PostgreSQL.
 func (f *fixture) waitForWaiters(n int) {
 	f.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	for {
-		var inDB int
-		err := f.db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()`).Scan(&inDB)
-		require.NoError(f.t, err)
-		if int64(inDB)+idem.LocalWaiters(f.mw) >= int64(n) {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			f.t.Fatalf("%d duplicates did not start waiting for the original", n)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
+	waitForWaitersOn(f.t, f, f.mw, "evt_1", n)
 }
 
-// waitForLockWaiter returns when some backend of the test database waits on
-// an advisory lock: the duplicate is parked behind the original.
-func waitForLockWaiter(t *testing.T, db *sql.DB) {
+// waitForWaitersOn returns when n duplicates of the event id wait for its
+// original: in mw's memory (duplicates of an original running on the same
+// instance) or in PostgreSQL, on the key's advisory lock (only this key's:
+// parallel tests share the database).
+func waitForWaitersOn(t testing.TB, f *fixture, mw *idem.Middleware, id string, n int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	for {
-		var n int
-		err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()`).Scan(&n)
-		require.NoError(t, err)
-		if n > 0 {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("no duplicate started waiting for the original")
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
+	lock := uint64(idem.LockID(f.table, "test", id))
+	waitFor(t, fmt.Sprintf("%d duplicates of %s waiting", n, id), func() bool {
+		var inDB int
+		require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_locks
+			WHERE locktype = 'advisory' AND NOT granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			  AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1`,
+			int64(lock>>32), int64(lock&0xffffffff)).Scan(&inDB))
+		return int64(inDB)+idem.LocalWaiters(mw) >= int64(n)
+	})
 }
 
 func TestClientHangingUpDoesNotCancelTheWork(t *testing.T) {

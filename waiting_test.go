@@ -85,7 +85,7 @@ func testWaitersOfFailedOriginal(t *testing.T, fail func(http.ResponseWriter, *h
 			dups <- r
 		}()
 	}
-	waitForWaitersOn(t, f, dupMW, n)
+	waitForWaitersOn(t, f, dupMW, "evt_1", n)
 	g.open()
 
 	o := <-orig
@@ -112,18 +112,6 @@ func testWaitersOfFailedOriginal(t *testing.T, fail func(http.ResponseWriter, *h
 		assert.NotEqual(t, idem.OutcomeConflict, o.Outcome, "%v", o.Err)
 		assert.NotEqual(t, idem.OutcomeInFlight, o.Outcome, "%v", o.Err)
 	}
-}
-
-// waitForWaitersOn returns when n duplicates wait for an original, in mw's
-// memory or in PostgreSQL.
-func waitForWaitersOn(t *testing.T, f *fixture, mw *idem.Middleware, n int) {
-	t.Helper()
-	waitFor(t, fmt.Sprintf("%d duplicates waiting", n), func() bool {
-		var inDB int
-		require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()`).Scan(&inDB))
-		return int64(inDB)+idem.LocalWaiters(mw) >= int64(n)
-	})
 }
 
 // TestTakeoverRunsWithTheOriginalsSettings: a duplicate that waited in
@@ -180,7 +168,7 @@ func TestTakeoverRunsWithTheOriginalsSettings(t *testing.T) {
 		t.Fatalf("the original never reached its handler: %d %s", r.status, r.body)
 	}
 	dup := f.postAsync("evt_1", "{}")
-	waitForLockWaiter(t, f.db)
+	waitForWaitersOn(t, f, f.mw, "evt_1", 1) // in PostgreSQL: the original is on another instance
 	g.open()
 	assert.Equal(t, http.StatusServiceUnavailable, (<-orig).status)
 	d := <-dup
@@ -232,7 +220,7 @@ func TestHotKeyDoesNotStarveOtherEvents(t *testing.T) {
 					dups <- r
 				}()
 			}
-			waitForWaitersOn(t, f, f.mw, dupCount)
+			waitForWaitersOn(t, f, f.mw, "hot", dupCount)
 
 			// Other events, one after another, while the hot key's original
 			// is held: each must be served before the original ends.
