@@ -3,7 +3,10 @@
 // each event to a ledger table inside idem's transaction and answers with
 // the ledger row's id.
 //
-//	testreceiver -database-url URL -table T -ledger L [-addr 127.0.0.1:0]
+//	testreceiver -database-url URL -table T -ledger L [-addr 127.0.0.1:0] [-adapter sql|pgx]
+//
+// -adapter pgx serves through idempgx on a pgx pool (default: the
+// IDEM_ADAPTER environment variable, else database/sql).
 //
 // It prints the address it listens on as the first line of its standard
 // output, logs to standard error, and shuts down gracefully on SIGTERM or
@@ -28,8 +31,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
 )
 
 func main() {
@@ -46,6 +51,7 @@ func run() error {
 	ledger := flag.String("ledger", "ledger", "ledger table the handler appends to")
 	maxConns := flag.Int("max-conns", 4, "most open database connections")
 	lockWait := flag.Duration("lock-wait", idem.DefaultLockWait, "idem LockWait")
+	adapter := flag.String("adapter", os.Getenv("IDEM_ADAPTER"), "sql (database/sql, the default) or pgx (idempgx)")
 	flag.Parse()
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
@@ -60,26 +66,53 @@ func run() error {
 	if err := idem.Migrate(ctx, db, *table); err != nil {
 		return err
 	}
-	mw, err := idem.New(db, idem.Options{
+	opts := idem.Options{
 		KeyFunc:  idem.Header("test", "X-Event-Id"),
 		Table:    *table,
 		LockWait: *lockWait,
 		Logger:   logger,
-	})
+	}
+	var mw *idem.Middleware
+	switch *adapter {
+	case "", "sql":
+		mw, err = idem.New(db, opts)
+	case "pgx":
+		cfg, perr := pgxpool.ParseConfig(*dbURL)
+		if perr != nil {
+			return perr
+		}
+		cfg.MaxConns = int32(*maxConns)
+		pool, perr := pgxpool.NewWithConfig(ctx, cfg)
+		if perr != nil {
+			return perr
+		}
+		defer pool.Close()
+		mw, err = idempgx.New(pool, opts)
+	default:
+		err = fmt.Errorf("-adapter %q: want sql or pgx", *adapter)
+	}
 	if err != nil {
 		return err
 	}
 	insert := `INSERT INTO ` + *ledger + ` (event_id, body) VALUES ($1, $2) RETURNING id`
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := idem.Tx(r.Context())
 		key, _ := idem.KeyFromContext(r.Context())
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
 			http.Error(w, "read body", http.StatusInternalServerError)
 			return
 		}
+		var row interface{ Scan(...any) error }
+		if tx, ok := idem.Tx(r.Context()); ok {
+			row = tx.QueryRowContext(r.Context(), insert, key.EventID, body)
+		} else if tx, ok := idempgx.Tx(r.Context()); ok {
+			row = tx.QueryRow(r.Context(), insert, key.EventID, body)
+		} else {
+			http.Error(w, "no transaction", http.StatusInternalServerError)
+			return
+		}
 		var id int64
-		if err := tx.QueryRowContext(r.Context(), insert, key.EventID, body).Scan(&id); err != nil {
+		if err := row.Scan(&id); err != nil {
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
 			return
 		}
