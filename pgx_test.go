@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -203,4 +204,79 @@ func TestOperationsFromAPgxPool(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), res.Removed)
 	assert.Equal(t, 0, f.keys())
+}
+
+// TestPgxHandlerEndingTheTransactionWithSQL: a handler that sends ROLLBACK
+// (or COMMIT) through Exec has ended idem's transaction: never a 2xx, no
+// answer stored, the redelivery runs again.
+func TestPgxHandlerEndingTheTransactionWithSQL(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
+	require.NoError(t, err)
+	misbehave := true
+	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if misbehave {
+			tx, _ := idempgx.Tx(r.Context())
+			_, err := tx.Exec(r.Context(), "ROLLBACK")
+			require.NoError(t, err)
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	rec := serveDirect(t, h, "evt_sql_rollback")
+	assert.Equal(t, http.StatusInternalServerError, rec.Code)
+	assert.Equal(t, 0, f.keys(), "nothing stored")
+	misbehave = false
+	rec = serveDirect(t, h, "evt_sql_rollback")
+	assert.Equal(t, http.StatusCreated, rec.Code, "the redelivery runs")
+	assert.Empty(t, rec.Header().Get("Idempotent-Replayed"))
+}
+
+// TestPgxSavepointIsClosedAfterTheRequest: a savepoint kept past the
+// request fails instead of using a connection back in the pool.
+func TestPgxSavepointIsClosedAfterTheRequest(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
+	require.NoError(t, err)
+	var kept pgx.Tx
+	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idempgx.Tx(r.Context())
+		var err error
+		kept, err = tx.Begin(r.Context())
+		require.NoError(t, err)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	require.Equal(t, http.StatusCreated, serveDirect(t, h, "evt_sp").Code)
+	_, err = kept.Exec(context.Background(), `SELECT 1`)
+	assert.ErrorIs(t, err, pgx.ErrTxClosed)
+	assert.ErrorIs(t, kept.Commit(context.Background()), pgx.ErrTxClosed)
+	_, err = kept.Begin(context.Background())
+	assert.ErrorIs(t, err, pgx.ErrTxClosed)
+}
+
+// TestPgxClaimsAtReadCommittedWhateverTheServerDefault: with TxOptions nil
+// idempgx states READ COMMITTED, which its claim is built for, even where
+// the server's default_transaction_isolation says otherwise.
+func TestPgxClaimsAtReadCommittedWhateverTheServerDefault(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	u, err := url.Parse(idem.TestDatabaseURL(t))
+	require.NoError(t, err)
+	role := newRole(t, f.db, `SET default_transaction_isolation = 'repeatable read'`)
+	u.User = url.User(role)
+	pool := newPgxPool(t, u.String())
+	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
+	require.NoError(t, err)
+	var level string
+	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := idempgx.Tx(r.Context())
+		require.NoError(t, tx.QueryRow(r.Context(), `SHOW transaction_isolation`).Scan(&level))
+		w.WriteHeader(http.StatusCreated)
+	}))
+	require.Equal(t, http.StatusCreated, serveDirect(t, h, "evt_rc").Code)
+	assert.Equal(t, "read committed", level)
+	var def string
+	require.NoError(t, pool.QueryRow(context.Background(), `SHOW default_transaction_isolation`).Scan(&def))
+	assert.Equal(t, "repeatable read", def, "the role's default is not read committed")
 }

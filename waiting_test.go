@@ -123,18 +123,7 @@ func TestTakeoverRunsWithTheOriginalsSettings(t *testing.T) {
 	// A role whose sessions start with lock_timeout 7s (a role setting,
 	// so that it also holds through PgBouncer, which refuses startup
 	// parameters).
-	admin := idem.OpenTestDB(t)
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	role := "idem_lt_" + hex.EncodeToString(b[:])
-	_, err := admin.Exec(`CREATE ROLE ` + role + ` LOGIN SUPERUSER`)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = admin.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '` + role + `'`)
-		_, _ = admin.Exec(`DROP ROLE ` + role)
-	})
-	_, err = admin.Exec(`ALTER ROLE ` + role + ` SET lock_timeout = '7s'`)
-	require.NoError(t, err)
+	role := newRole(t, idem.OpenTestDB(t), `SET lock_timeout = '7s'`)
 	u, err := url.Parse(idem.TestDatabaseURL(t))
 	require.NoError(t, err)
 	u.User = url.User(role)
@@ -248,6 +237,24 @@ func TestHotKeyDoesNotStarveOtherEvents(t *testing.T) {
 			assert.LessOrEqual(t, inUse, 1, "at most one duplicate held a connection while waiting")
 		})
 	}
+}
+
+// newRole creates a superuser login role with the ALTER ROLE setting
+// given (e.g. "SET lock_timeout = '7s'"), dropped when t ends.
+func newRole(t testing.TB, admin *sql.DB, setting string) string {
+	t.Helper()
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	role := "idem_role_" + hex.EncodeToString(b[:])
+	_, err := admin.Exec(`CREATE ROLE ` + role + ` LOGIN SUPERUSER`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = admin.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '` + role + `'`)
+		_, _ = admin.Exec(`DROP ROLE ` + role)
+	})
+	_, err = admin.Exec(`ALTER ROLE ` + role + ` ` + setting)
+	require.NoError(t, err)
+	return role
 }
 
 // openPoolURL opens a pool on dsn, capped at max connections.

@@ -42,7 +42,10 @@ import (
 // database of pool, where Migrate has created the table. Every field of
 // opts means what it means for idem.New; TxOptions' isolation level and
 // read-only flag become the BEGIN statement. New does not touch the
-// database: a database that is down answers 503 per request.
+// database: a database that is down answers 503 per request. With
+// TxOptions nil, the transactions are READ COMMITTED, stated in their BEGIN
+// whatever the server's default_transaction_isolation: the claim is built
+// for it.
 func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if pool == nil {
 		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
@@ -53,6 +56,12 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	}
 	poolCap := int(pool.Config().MaxConns)
 	lockFirst := begin.IsoLevel == "" || begin.IsoLevel == pgx.ReadCommitted || begin.IsoLevel == pgx.ReadUncommitted
+	if begin.IsoLevel == "" {
+		// The lock-first claim needs READ COMMITTED (a statement's snapshot
+		// taken after the lock): say so, whatever the server's
+		// default_transaction_isolation.
+		begin.IsoLevel = pgx.ReadCommitted
+	}
 	mw, err := driver.NewMiddleware(func(q driver.Queries) driver.Driver {
 		return &pgxDriver{pool: pool, q: q, begin: begin, poolCap: poolCap, lockFirst: lockFirst}
 	}, opts)
@@ -284,7 +293,7 @@ func (t *claimTx) send(ctx context.Context, queue func(*pgx.Batch)) (pgx.BatchRe
 	if !begins {
 		return br, nil
 	}
-	t.h = &handleTx{tx: br.Tx()}
+	t.h = newHandle(br.Tx())
 	if _, err := br.Exec(); err != nil {
 		return br, err
 	}
@@ -334,6 +343,11 @@ func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeo
 func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
 	if m := t.h.misuse; m != "" {
 		return fmt.Errorf("%w: the handler called %s on the request's transaction", driver.ErrTxDone, m)
+	}
+	if t.c.PgConn().TxStatus() == 'I' {
+		// The handler ended the transaction with COMMIT or ROLLBACK of its
+		// own: a COMMIT now would store the answer outside it.
+		return fmt.Errorf("%w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone)
 	}
 	var b pgx.Batch
 	if t.insertAtEnd {
