@@ -93,7 +93,7 @@ func (w *wireCounter) serve(c net.Conn) {
 
 // TestRoundTripsOnTheWire counts, on the wire, the round trips of each path
 // with a pool of one connection, after warm-up (pgx's statement cache
-// filled): a new event whose handler runs one statement, a completed
+// filled), the fewest of three samples: a new event whose handler runs one statement, a completed
 // duplicate's first replay on an instance, and a replay from the replay
 // cache. pgx pipelines BEGIN with the claim and the answer with COMMIT.
 func TestRoundTripsOnTheWire(t *testing.T) {
@@ -134,12 +134,19 @@ func TestRoundTripsOnTheWire(t *testing.T) {
 				serve(second, w)
 				serve(second, w)
 			}
-			newEvent := serve(first, "evt_1")
-			firstReplay := serve(second, "evt_1")
-			cachedReplay := serve(second, "evt_1")
-			t.Logf("%s: new event %d round trips, first replay on an instance %d, cached replay %d", adapter, newEvent, firstReplay, cachedReplay)
-			assert.Equal(t, want[adapter], [3]int64{newEvent, firstReplay, cachedReplay})
-			assert.Equal(t, 1+3, f.ledgerRows())
+			// Three samples of each path, the fewest counted: a pool pings a
+			// connection idle for over a second before reusing it, which a
+			// busy machine can cause between two requests.
+			got := [3]int64{1 << 30, 1 << 30, 1 << 30}
+			for i := 0; i < 3; i++ {
+				id := fmt.Sprintf("evt_%d", i)
+				for j, n := range []int64{serve(first, id), serve(second, id), serve(second, id)} {
+					got[j] = min(got[j], n)
+				}
+			}
+			t.Logf("%s: new event %d round trips, first replay on an instance %d, cached replay %d", adapter, got[0], got[1], got[2])
+			assert.Equal(t, want[adapter], got)
+			assert.Equal(t, 3+3, f.ledgerRows())
 		})
 	}
 }
