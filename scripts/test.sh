@@ -26,6 +26,11 @@ if [ -f examples/go.mod ]; then
   (cd examples && go build ./... && go test -race -count=1 ./...)
 fi
 
+if [ -f idemgin/go.mod ]; then
+  echo "== idemgin module (gin adapter): go test -race"
+  (cd idemgin && go test -race -count=1 ./...)
+fi
+
 if [ -f bench/go.mod ]; then
   echo "== bench module: build, test, and a short load run"
   (cd bench && go build ./... && go test -count=1 ./...)
