@@ -62,6 +62,17 @@ type world struct {
 
 func newWorld(t *testing.T, build func(w *world, r *gin.Engine, hooks *gin.RouterGroup)) *world {
 	t.Helper()
+	return newWorldWith(t, func(w *world, wrap gin.HandlerFunc) *gin.Engine {
+		r := gin.New()
+		r.Use(gin.Recovery())
+		build(w, r, r.Group("/webhooks", wrap))
+		return r
+	})
+}
+
+// newWorldWith is newWorld where build places Wrap's middleware itself.
+func newWorldWith(t *testing.T, build func(w *world, wrap gin.HandlerFunc) *gin.Engine) *world {
+	t.Helper()
 	n := seq.Add(1)
 	w := &world{t: t, table: fmt.Sprintf("keys_%d", n), ledger: fmt.Sprintf("ledger_%d", n)}
 	require.NoError(t, idem.Migrate(t.Context(), db, w.table))
@@ -69,10 +80,7 @@ func newWorld(t *testing.T, build func(w *world, r *gin.Engine, hooks *gin.Route
 	require.NoError(t, err)
 	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: w.table, Logger: discard()})
 	require.NoError(t, err)
-	r := gin.New()
-	r.Use(gin.Recovery())
-	build(w, r, r.Group("/webhooks", idemgin.Wrap(mw.Handler)))
-	w.srv = httptest.NewServer(r)
+	w.srv = httptest.NewServer(build(w, idemgin.Wrap(mw.Handler)))
 	t.Cleanup(w.srv.Close)
 	return w
 }
@@ -287,27 +295,21 @@ func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, ni
 // handler's own 200), never a status that disagrees with the stored one.
 func TestErrorRenderedBeforeWrapComesTooLate(t *testing.T) {
 	t.Parallel()
-	n := seq.Add(1)
-	w := &world{t: t, table: fmt.Sprintf("keys_%d", n), ledger: fmt.Sprintf("ledger_%d", n)}
-	require.NoError(t, idem.Migrate(t.Context(), db, w.table))
-	_, err := db.Exec(`CREATE TABLE ` + w.ledger + ` (id bigserial PRIMARY KEY, event_id text NOT NULL)`)
-	require.NoError(t, err)
-	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: w.table, Logger: discard()})
-	require.NoError(t, err)
-	r := gin.New()
-	r.Use(gin.Recovery(), func(c *gin.Context) {
-		c.Next()
-		if len(c.Errors) > 0 {
-			c.JSON(http.StatusBadGateway, gin.H{"error": "too late"})
-		}
-	}, idemgin.Wrap(mw.Handler))
-	r.POST("/hook", func(c *gin.Context) {
-		w.write(c)
-		_ = c.Error(errors.New("recorded, not rendered"))
-		c.String(http.StatusOK, "stored")
+	w := newWorldWith(t, func(w *world, wrap gin.HandlerFunc) *gin.Engine {
+		r := gin.New()
+		r.Use(gin.Recovery(), func(c *gin.Context) {
+			c.Next()
+			if len(c.Errors) > 0 {
+				c.JSON(http.StatusBadGateway, gin.H{"error": "too late"})
+			}
+		}, wrap)
+		r.POST("/hook", func(c *gin.Context) {
+			w.write(c)
+			_ = c.Error(errors.New("recorded, not rendered"))
+			c.String(http.StatusOK, "stored")
+		})
+		return r
 	})
-	w.srv = httptest.NewServer(r)
-	t.Cleanup(w.srv.Close)
 	first := w.post("/hook", "evt_1")
 	assert.Equal(t, http.StatusOK, first.status)
 	assert.Equal(t, "stored", string(first.body))
