@@ -15,9 +15,11 @@ import (
 	"testing"
 
 	"github.com/gin-gonic/gin"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgin"
+	"github.com/pgidem/idem/idempgx"
 	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -25,7 +27,10 @@ import (
 
 // The tests run against PostgreSQL, in a database of their own (DATABASE_URL,
 // default the local server), and fail when it is missing.
-var db *sql.DB
+var (
+	db    *sql.DB
+	dbURL string
+)
 
 func TestMain(m *testing.M) {
 	gin.SetMode(gin.ReleaseMode)
@@ -34,6 +39,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "idemgin tests: PostgreSQL is required:", err)
 		os.Exit(1)
 	}
+	dbURL = u
 	db, err = sql.Open("pgx", u)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -317,4 +323,36 @@ func TestErrorRenderedBeforeWrapComesTooLate(t *testing.T) {
 	assert.Equal(t, http.StatusOK, again.status)
 	assert.Equal(t, "stored", string(again.body))
 	assert.Equal(t, 1, w.count(w.ledger))
+}
+
+// TestWrapServesIdempgx: Wrap takes idempgx's middleware as well; the
+// handler writes through the pgx.Tx.
+func TestWrapServesIdempgx(t *testing.T) {
+	t.Parallel()
+	n := seq.Add(1)
+	table, ledger := fmt.Sprintf("keys_%d", n), fmt.Sprintf("ledger_%d", n)
+	pool, err := pgxpool.New(t.Context(), dbURL)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	require.NoError(t, idempgx.Migrate(t.Context(), pool, table))
+	_, err = pool.Exec(t.Context(), `CREATE TABLE `+ledger+` (id bigserial PRIMARY KEY, event_id text NOT NULL)`)
+	require.NoError(t, err)
+	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: table, Logger: discard()})
+	require.NoError(t, err)
+	r := gin.New()
+	r.Use(gin.Recovery(), idemgin.Wrap(mw.Handler))
+	r.POST("/hook", func(c *gin.Context) {
+		tx, ok := idempgx.Tx(c.Request.Context())
+		require.True(t, ok)
+		var id int64
+		require.NoError(t, tx.QueryRow(c.Request.Context(), `INSERT INTO `+ledger+` (event_id) VALUES ('x') RETURNING id`).Scan(&id))
+		c.JSON(http.StatusCreated, gin.H{"id": id})
+	})
+	w := &world{t: t, table: table, ledger: ledger, srv: httptest.NewServer(r)}
+	t.Cleanup(w.srv.Close)
+	first, again := w.post("/hook", "evt_1"), w.post("/hook", "evt_1")
+	assert.Equal(t, http.StatusCreated, first.status)
+	assert.Equal(t, first.body, again.body)
+	assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 1, w.count(ledger))
 }
