@@ -112,6 +112,10 @@ func (w *world) post(path, id string) reply {
 	req, err := http.NewRequest(http.MethodPost, w.srv.URL+path, bytes.NewBufferString(`{"n":1}`))
 	require.NoError(w.t, err)
 	req.Header.Set("X-Event-Id", id)
+	// A fresh connection each time: a server whose handler wrote past its
+	// Content-Length (the too-late renderer) closes the connection after
+	// answering, and a reused one could be reset under the next request.
+	req.Close = true
 	res, err := http.DefaultClient.Do(req)
 	require.NoError(w.t, err)
 	defer res.Body.Close()
