@@ -59,8 +59,7 @@ func TestMixedFleetReplaysEachOthersAnswers(t *testing.T) {
 func TestPgxTxWorksAsAPgxTx(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, nil)
-	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
-	require.NoError(t, err)
+	mw := f.pgxMiddleware()
 	var loOID uint32
 	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := r.Context()
@@ -145,15 +144,14 @@ func TestPgxTxWorksAsAPgxTx(t *testing.T) {
 func TestPgxTxIsClosedAfterTheRequest(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, nil)
-	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
-	require.NoError(t, err)
+	mw := f.pgxMiddleware()
 	var kept pgx.Tx
 	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		kept, _ = idempgx.Tx(r.Context())
 		w.WriteHeader(http.StatusCreated)
 	}))
 	require.Equal(t, http.StatusCreated, serveDirect(t, h, "evt_kept").Code)
-	_, err = kept.Exec(context.Background(), `SELECT 1`)
+	_, err := kept.Exec(context.Background(), `SELECT 1`)
 	assert.ErrorIs(t, err, pgx.ErrTxClosed)
 	assert.ErrorIs(t, kept.QueryRow(context.Background(), `SELECT 1`).Scan(new(int)), pgx.ErrTxClosed)
 	assert.ErrorIs(t, kept.Commit(context.Background()), pgx.ErrTxClosed)
@@ -212,8 +210,7 @@ func TestOperationsFromAPgxPool(t *testing.T) {
 func TestPgxHandlerEndingTheTransactionWithSQL(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, nil)
-	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
-	require.NoError(t, err)
+	mw := f.pgxMiddleware()
 	misbehave := true
 	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if misbehave {
@@ -237,8 +234,7 @@ func TestPgxHandlerEndingTheTransactionWithSQL(t *testing.T) {
 func TestPgxSavepointIsClosedAfterTheRequest(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, idem.Options{}, nil)
-	mw, err := idempgx.New(pgxPoolFor(t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
-	require.NoError(t, err)
+	mw := f.pgxMiddleware()
 	var kept pgx.Tx
 	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, _ := idempgx.Tx(r.Context())
@@ -248,7 +244,7 @@ func TestPgxSavepointIsClosedAfterTheRequest(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	}))
 	require.Equal(t, http.StatusCreated, serveDirect(t, h, "evt_sp").Code)
-	_, err = kept.Exec(context.Background(), `SELECT 1`)
+	_, err := kept.Exec(context.Background(), `SELECT 1`)
 	assert.ErrorIs(t, err, pgx.ErrTxClosed)
 	assert.ErrorIs(t, kept.Commit(context.Background()), pgx.ErrTxClosed)
 	_, err = kept.Begin(context.Background())
@@ -279,4 +275,12 @@ func TestPgxClaimsAtReadCommittedWhateverTheServerDefault(t *testing.T) {
 	var def string
 	require.NoError(t, pool.QueryRow(context.Background(), `SHOW default_transaction_isolation`).Scan(&def))
 	assert.Equal(t, "repeatable read", def, "the role's default is not read committed")
+}
+
+// pgxMiddleware is an idempgx middleware on f's table and database.
+func (f *fixture) pgxMiddleware() *idem.Middleware {
+	f.t.Helper()
+	mw, err := idempgx.New(pgxPoolFor(f.t, f.db), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
+	require.NoError(f.t, err)
+	return mw
 }

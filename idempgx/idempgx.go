@@ -303,13 +303,14 @@ func (t *claimTx) send(ctx context.Context, queue func(*pgx.Batch)) (pgx.BatchRe
 
 func (t *claimTx) Handle() any { return t.h }
 
-// Claim claims the key, in the open transaction or in a new one begun in
-// the same round trip: at READ COMMITTED, by the lock (held after a wait)
-// and the absence of a row, the completed row to be inserted by Commit.
+// Claim claims the key in this transaction, which holds the key's lock and
+// has found no row. At READ COMMITTED that is the claim: nothing is sent,
+// and Commit inserts the completed row. Otherwise the claim's INSERT is
+// sent, in the open transaction or a new one begun in the same round trip.
 func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	if t.d.lockFirst {
-		begun, err := t.lockAndRead(ctx, a)
-		return begun.Won, err
+		t.insertAtEnd = true
+		return true, nil
 	}
 	return t.insertClaim(ctx, a)
 }
