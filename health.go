@@ -263,7 +263,7 @@ func findings(r *Report) []Finding {
 	if r.Retention < r.Horizon {
 		add(SeverityCritical, "retention_below_horizon",
 			fmt.Sprintf("the retention (%v) is shorter than the providers' retry horizon (%v): keys are deleted while their sender still retries, and such a retry runs the handler again", r.Retention, r.Horizon),
-			"Raise the sweeper's retention well above the longest retry horizon of every sender (see the retention table in the README), or correct -horizon/-retention if they do not match the deployment.")
+			"Raise the sweeper's retention well above the longest retry horizon of every sender (see the retention table in docs/operations.md), or correct -horizon/-retention if they do not match the deployment.")
 	}
 	if r.Unanswered > 0 {
 		add(SeverityCritical, "unanswered_keys",

@@ -177,7 +177,7 @@ func TestIdempgxNewNeedsNoServer(t *testing.T) {
 }
 
 // TestOperationsFromAPgxPool: sweep, check and stats take a *sql.DB; the
-// README's one-liner, stdlib.OpenDBFromPool, gives them one on a pgx
+// one-liner of docs/pgx.md, stdlib.OpenDBFromPool, gives them one on a pgx
 // pool's connections, and they see the keys idempgx stored.
 func TestOperationsFromAPgxPool(t *testing.T) {
 	t.Parallel()

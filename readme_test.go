@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"unicode"
 )
 
 // The README names the API; this test keeps it true to the code: every
@@ -21,15 +22,21 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 	}
 	exported, fields := exportedAPI(t, ".")
 	pgxExported, _ := exportedAPI(t, "idempgx")
-	for _, m := range regexp.MustCompile(`\bidempgx\.([A-Z]\w*)`).FindAllStringSubmatch(string(readme), -1) {
-		if !pgxExported[m[1]] {
-			t.Errorf("README mentions idempgx.%s, which package idempgx does not export", m[1])
+	pages, _ := filepath.Glob("docs/*.md")
+	for _, page := range append(pages, "README.md") {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-
-	for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(readme), -1) {
-		if !exported[m[1]] {
-			t.Errorf("README mentions idem.%s, which the package does not export", m[1])
+		for _, m := range regexp.MustCompile(`\bidempgx\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
+			if !pgxExported[m[1]] {
+				t.Errorf("%s mentions idempgx.%s, which package idempgx does not export", page, m[1])
+			}
+		}
+		for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
+			if !exported[m[1]] {
+				t.Errorf("%s mentions idem.%s, which the package does not export", page, m[1])
+			}
 		}
 	}
 	section := string(readme)
@@ -89,4 +96,68 @@ func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool)
 		})
 	}
 	return names, optionFields
+}
+
+// TestDocLinksResolve: every relative link of the README and docs/ names a
+// file or folder that exists, and every #anchor a heading of its page.
+func TestDocLinksResolve(t *testing.T) {
+	pages, _ := filepath.Glob("docs/*.md")
+	pages = append(pages, "README.md")
+	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
+	for _, page := range pages {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range link.FindAllStringSubmatch(string(text), -1) {
+			target := m[1]
+			if strings.Contains(target, "://") {
+				continue
+			}
+			file, anchor, _ := strings.Cut(target, "#")
+			path := page
+			if file != "" {
+				path = filepath.Join(filepath.Dir(page), file)
+				if _, err := os.Stat(path); err != nil {
+					t.Errorf("%s links to %s, which does not exist", page, target)
+					continue
+				}
+			}
+			if anchor != "" && !headingAnchors(t, path)[anchor] {
+				t.Errorf("%s links to %s: %s has no such heading", page, target, path)
+			}
+		}
+	}
+}
+
+// headingAnchors returns the anchors GitHub gives the headings of a
+// Markdown file: lower case, spaces to hyphens, other punctuation dropped.
+func headingAnchors(t *testing.T, path string) map[string]bool {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	anchors := map[string]bool{}
+	inCode := false
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "```") {
+			inCode = !inCode
+		}
+		if inCode || !strings.HasPrefix(line, "#") {
+			continue
+		}
+		title := strings.ToLower(strings.TrimSpace(strings.TrimLeft(line, "#")))
+		var a strings.Builder
+		for _, r := range title {
+			switch {
+			case r == ' ':
+				a.WriteByte('-')
+			case r == '-' || r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r):
+				a.WriteRune(r)
+			}
+		}
+		anchors[a.String()] = true
+	}
+	return anchors
 }

@@ -52,7 +52,7 @@ type SweepOptions struct {
 	// claimed_at is older than the database's now() minus Retention is
 	// deleted, and a later delivery with that key runs the handler again.
 	// Keep it well above the longest retry horizon of every sender (see
-	// the README's "Operating idem"). 0 means DefaultRetention (30 days);
+	// docs/operations.md). 0 means DefaultRetention (30 days);
 	// values under MinSafeRetention (72h) are refused unless
 	// UnsafeShortRetention is set.
 	Retention time.Duration

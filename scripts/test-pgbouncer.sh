@@ -8,7 +8,7 @@
 # then goes back to the pool, so anything that outlives a transaction on a
 # connection (session SET, session advisory locks, named prepared
 # statements) would break here: idem uses none. pgx needs
-# default_query_exec_mode=exec (see the README's PgBouncer section).
+# default_query_exec_mode=exec (see docs/pgbouncer.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
