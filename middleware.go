@@ -466,7 +466,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if deadline.IsZero() {
 			deadline = time.Now().Add(m.lockWait)
 		}
-		if m.lockWait == 0 {
+		if !time.Now().Before(deadline) { // LockWait is over (or 0: answer at once)
 			x.fail(OutcomeInFlight, problemFor(ErrInFlight))
 			return
 		}
