@@ -15,6 +15,9 @@ var (
 	// ErrInvalidKey: the key is malformed, too long, or not valid text (400).
 	// KeyFuncs wrap it.
 	ErrInvalidKey = errors.New("idem: invalid idempotency key")
+	// ErrBadBody: the key is read from the request body, which is missing
+	// or is not the JSON the KeyFunc expects (400). KeyFuncs wrap it.
+	ErrBadBody = errors.New("idem: missing or malformed request body")
 	// ErrBodyTooLarge: the request body is over Options.MaxBodyBytes (413).
 	ErrBodyTooLarge = errors.New("idem: request body too large")
 	// ErrBodyUnreadable: reading the request body failed (400).
@@ -69,7 +72,7 @@ type Problem struct {
 }
 
 // Problem type URIs, one per kind of answer.
-const problemBase = "https://github.com/pgidem/idem/blob/main/README.md#"
+const problemBase = "https://github.com/pgidem/idem/blob/main/docs/problems.md#"
 
 // WriteProblem is the default Options.ErrorHandler: it writes p as a small
 // application/problem+json document. Any Retry-After header the middleware
@@ -101,6 +104,9 @@ func problemFor(err error) *Problem {
 		p.Detail = "The request body is larger than this endpoint accepts."
 	case errors.Is(err, ErrNoKey), errors.Is(err, ErrInvalidKey):
 		p.Status, p.Type, p.Title = http.StatusBadRequest, "invalid-key", "Missing or invalid idempotency key"
+		p.Detail = trimPrefix(err.Error())
+	case errors.Is(err, ErrBadBody):
+		p.Status, p.Type, p.Title = http.StatusBadRequest, "invalid-body", "Missing or malformed request body"
 		p.Detail = trimPrefix(err.Error())
 	case errors.Is(err, ErrBodyUnreadable):
 		p.Status, p.Type, p.Title = http.StatusBadRequest, "body-unreadable", "Request body could not be read"

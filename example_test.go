@@ -2,35 +2,53 @@ package idem_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pgidem/idem"
 )
 
+// openDB opens the database at DATABASE_URL with a connection cap and
+// creates idem's table, as an application does at start-up.
+func openDB() *sql.DB {
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	db.SetMaxOpenConns(10)
+	if err := idem.Migrate(context.Background(), db, ""); err != nil { // "": webhook_idempotency
+		panic(err)
+	}
+	return db
+}
+
 // A Stripe webhook endpoint: the event runs once, however often it arrives.
 func Example() {
-	db, table := idem.ExampleDB() // a *sql.DB opened with the pgx driver; Migrate has run
+	db := openDB()
 	defer db.Close()
 
-	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe(), Table: table})
+	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe()})
 	if err != nil {
 		panic(err)
 	}
 	runs := 0
-	handler := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	mux := http.NewServeMux()
+	mux.Handle("POST /webhooks/stripe", mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs++
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintln(w, `{"received": true}`)
-	}))
-	srv := httptest.NewServer(handler)
+	})))
+	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
 	for i := 0; i < 3; i++ {
-		res, err := http.Post(srv.URL, "application/json", strings.NewReader(`{"id": "evt_1", "type": "charge.succeeded"}`))
+		res, err := http.Post(srv.URL+"/webhooks/stripe", "application/json", strings.NewReader(`{"id": "evt_1", "type": "charge.succeeded"}`))
 		if err != nil {
 			panic(err)
 		}
@@ -49,13 +67,13 @@ func Example() {
 // The handler writes through the middleware's transaction, so its writes
 // commit together with the claim and the stored answer, or not at all.
 func ExampleTx() {
-	db, table := idem.ExampleDB()
+	db := openDB()
 	defer db.Close()
-	if _, err := db.Exec(`CREATE TABLE orders_` + table + ` (id bigserial PRIMARY KEY, event_id text)`); err != nil {
+	if _, err := db.Exec(`CREATE TABLE orders (id bigserial PRIMARY KEY, event_id text)`); err != nil {
 		panic(err)
 	}
 
-	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("shop", "X-Event-Id"), Table: table})
+	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("shop", "X-Event-Id")})
 	if err != nil {
 		panic(err)
 	}
@@ -68,7 +86,7 @@ func ExampleTx() {
 		key, _ := idem.KeyFromContext(r.Context())
 		var id int64
 		err := tx.QueryRowContext(r.Context(),
-			`INSERT INTO orders_`+table+` (event_id) VALUES ($1) RETURNING id`, key.EventID).Scan(&id)
+			`INSERT INTO orders (event_id) VALUES ($1) RETURNING id`, key.EventID).Scan(&id)
 		if err != nil {
 			http.Error(w, "try again", http.StatusServiceUnavailable) // not 2xx: rolled back
 			return
@@ -85,7 +103,7 @@ func ExampleTx() {
 		fmt.Println(rec.Code, rec.Body.String())
 	}
 	var n int
-	_ = db.QueryRow(`SELECT count(*) FROM orders_` + table).Scan(&n)
+	_ = db.QueryRow(`SELECT count(*) FROM orders`).Scan(&n)
 	fmt.Println("orders:", n)
 	// Output:
 	// 201 order 1
@@ -98,9 +116,9 @@ func ExampleKeyFunc() {
 	byRoute := func(r *http.Request, body []byte) (idem.Key, error) {
 		return idem.Key{Source: r.PathValue("source"), EventID: r.Header.Get("X-Event-Id")}, nil
 	}
-	db, table := idem.ExampleDB()
+	db := openDB()
 	defer db.Close()
-	mw, err := idem.New(db, idem.Options{KeyFunc: byRoute, Table: table})
+	mw, err := idem.New(db, idem.Options{KeyFunc: byRoute})
 	if err != nil {
 		panic(err)
 	}
@@ -130,6 +148,20 @@ func ExampleJSONField() {
 	// Output: paddle evt_01h8 <nil>
 }
 
+// Presets scope keys by endpoint; WithSource gives endpoints one scope.
+func ExampleKeyFunc_WithSource() {
+	body := []byte(`{"id": "evt_1", "type": "invoice.paid"}`)
+	for _, path := range []string{"/webhooks/stripe", "/webhooks/stripe-billing"} {
+		r := httptest.NewRequest(http.MethodPost, path, nil)
+		own, _ := idem.Stripe()(r, body)
+		shared, _ := idem.Stripe().WithSource("stripe")(r, body)
+		fmt.Printf("%q %q\n", own.Source, shared.Source)
+	}
+	// Output:
+	// "stripe POST /webhooks/stripe" "stripe"
+	// "stripe POST /webhooks/stripe-billing" "stripe"
+}
+
 func ExampleParseIdempotencyKey() {
 	for _, v := range []string{`"8e03978e-40d5-43e8"`, `8e03978e-40d5-43e8`, `"unterminated`} {
 		key, err := idem.ParseIdempotencyKey(v)
@@ -142,7 +174,10 @@ func ExampleParseIdempotencyKey() {
 }
 
 func ExampleMigrate() {
-	db, _ := idem.ExampleDB()
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
 	defer db.Close()
 	// Safe to run at every start, from every instance at once.
 	for i := 0; i < 2; i++ {

@@ -10,9 +10,6 @@ var (
 	DSNOf           = dsnOf
 )
 
-// ExampleDB gives Example functions a database and a migrated table.
-var ExampleDB = exampleDB
-
 // LocalWaiters is how many deliveries wait in m's memory for another
 // delivery of their key on the same instance.
 func LocalWaiters(m *Middleware) int64 { return m.flights.waiters.Load() }

@@ -76,6 +76,9 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 
 			r := <-first
 			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
+			if r.status == http.StatusServiceUnavailable {
+				assert.Equal(t, "1", r.header.Get("Retry-After"))
+			}
 			if r.status >= 500 && r.header.Get("Content-Type") == "application/problem+json" {
 				assertNoInternals(t, r)
 			}
@@ -400,11 +403,13 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 			outcome: idem.OutcomeRolledBack,
 		},
 		{
+			// The handler's own answer to the deadline is replaced by the
+			// timeout's: 503 with Retry-After.
 			name:    "HandlerTimeout fires during a query and the handler answers 500",
 			opts:    idem.Options{HandlerTimeout: 200 * time.Millisecond},
 			slow:    longQuery,
 			report:  true,
-			want:    http.StatusInternalServerError,
+			want:    http.StatusServiceUnavailable,
 			outcome: idem.OutcomeRolledBack,
 		},
 	} {
@@ -429,6 +434,9 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 			}))
 			r := f.post("evt_1", "{}")
 			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
+			if r.status == http.StatusServiceUnavailable {
+				assert.Equal(t, "1", r.header.Get("Retry-After"))
+			}
 			if r.status >= 500 && r.header.Get("Content-Type") == "application/problem+json" {
 				assertNoInternals(t, r)
 			}

@@ -19,8 +19,8 @@ import (
 // the caller as a 400, and that its detail does not echo the input back.
 func checkKeyErr(t *testing.T, err error, inputs ...string) {
 	t.Helper()
-	if !errors.Is(err, ErrNoKey) && !errors.Is(err, ErrInvalidKey) {
-		t.Fatalf("error %q wraps neither ErrNoKey nor ErrInvalidKey", err)
+	if !errors.Is(err, ErrNoKey) && !errors.Is(err, ErrInvalidKey) && !errors.Is(err, ErrBadBody) {
+		t.Fatalf("error %q wraps none of ErrNoKey, ErrInvalidKey, ErrBadBody", err)
 	}
 	p := keyProblem(err)
 	if p.Status != http.StatusBadRequest {
@@ -193,10 +193,10 @@ var headerKeyFuncs = []struct {
 	kf                   KeyFunc
 }{
 	{"Header", "X-Event-Id", "test", Header("test", "x-event-id")},
-	{"Shopify", "X-Shopify-Event-Id", "shopify", Shopify()},
+	{"Shopify", "X-Shopify-Event-Id", "shopify POST /", Shopify()},
 	{"GitHub", "X-Github-Delivery", "", GitHub()},
-	{"StandardWebhooks", "Webhook-Id", "sw", StandardWebhooks("sw")},
-	{"StandardWebhooks via svix-id", "Svix-Id", "sw", StandardWebhooks("sw")},
+	{"StandardWebhooks", "Webhook-Id", "sw POST /", StandardWebhooks("sw")},
+	{"StandardWebhooks via svix-id", "Svix-Id", "sw POST /", StandardWebhooks("sw")},
 }
 
 func FuzzHeaderKeyFuncs(f *testing.F) {
@@ -242,9 +242,9 @@ func FuzzHeaderKeyFuncs(f *testing.F) {
 			}
 			wantSource := kf.source
 			if wantSource == "" {
-				wantSource = "github"
+				wantSource = "github POST /"
 				if hook != "" {
-					wantSource = "github:" + hook
+					wantSource = "github:" + hook + " POST /"
 				}
 			}
 			if k.Source != wantSource {

@@ -165,6 +165,12 @@ func (f *fixture) do(method, id, body string, hdr ...string) reply {
 	for i := 0; i+1 < len(hdr); i += 2 {
 		req.Header.Set(hdr[i], hdr[i+1])
 	}
+	return f.send(req)
+}
+
+// send sends req and reads the whole reply.
+func (f *fixture) send(req *http.Request) reply {
+	f.t.Helper()
 	res, err := http.DefaultClient.Do(req)
 	require.NoError(f.t, err)
 	defer res.Body.Close()

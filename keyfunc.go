@@ -29,7 +29,7 @@ type Key struct {
 // MaxKeyLen bytes, invalid UTF-8, NUL or other control characters), is
 // answered with 400 and nothing is claimed.
 //
-// Errors that wrap ErrNoKey or ErrInvalidKey are shown to the caller in the
+// Errors that wrap ErrNoKey, ErrInvalidKey or ErrBadBody are shown to the caller in the
 // problem's detail; any other error text is logged, never sent.
 type KeyFunc func(r *http.Request, body []byte) (Key, error)
 
@@ -68,8 +68,8 @@ func JSONField(source, path string) KeyFunc {
 			panic(fmt.Sprintf("idem: JSONField path %q has an empty segment", path))
 		}
 	}
-	return func(_ *http.Request, body []byte) (Key, error) {
-		id, err := jsonField(body, segs)
+	return func(r *http.Request, body []byte) (Key, error) {
+		id, err := jsonField(r, body, segs, false)
 		if err != nil {
 			return Key{}, err
 		}
@@ -99,14 +99,60 @@ func IdempotencyKey(source string) KeyFunc {
 }
 
 // Stripe returns the KeyFunc for Stripe webhooks: the event id ("evt_...")
-// from the body's top-level "id", with source "stripe". Verify the
-// Stripe-Signature before this middleware runs.
-func Stripe() KeyFunc { return JSONField("stripe", "id") }
+// from the body's top-level "id", which must be a JSON string, scoped by
+// the endpoint (source "stripe POST /webhooks/stripe"; see WithSource).
+// Verify the Stripe-Signature before this middleware runs.
+func Stripe() KeyFunc {
+	segs := []string{"id"}
+	return func(r *http.Request, body []byte) (Key, error) {
+		id, err := jsonField(r, body, segs, true)
+		if err != nil {
+			return Key{}, err
+		}
+		return endpointKey(r, "stripe", id)
+	}
+}
+
+// WithSource returns a KeyFunc that takes the event id from f and gives
+// every key the fixed source instead of f's. Presets scope their keys by
+// endpoint, so that two endpoints that receive the same event (Stripe sends
+// one event to every subscribed endpoint) each run it once; WithSource
+// makes endpoints share one scope when that is what you want:
+//
+//	shared := idem.Stripe().WithSource("stripe") // every route: one scope
+//
+// It panics if source is not a valid source (empty, too long, or with
+// control characters).
+func (f KeyFunc) WithSource(source string) KeyFunc {
+	mustSource("WithSource", source)
+	return func(r *http.Request, body []byte) (Key, error) {
+		k, err := f(r, body)
+		if err != nil {
+			return Key{}, err
+		}
+		k.Source = source
+		return k, nil
+	}
+}
+
+// endpointKey is a preset's key: the event id, scoped by the preset's name
+// and the request's method and path (as sent, still escaped, so it is plain
+// ASCII). Two endpoints never share a preset's keys, and a method the route
+// does not serve never replays another method's answer.
+func endpointKey(r *http.Request, name, id string) (Key, error) {
+	path := r.URL.EscapedPath()
+	source := name + " " + r.Method + " " + path
+	if len(source) > MaxKeyLen {
+		return Key{}, fmt.Errorf("%w: the path is too long to scope the key by endpoint (%d bytes); give the KeyFunc a fixed source with WithSource", ErrInvalidKey, len(path))
+	}
+	return Key{Source: source, EventID: id}, nil
+}
 
 // GitHub returns the KeyFunc for GitHub webhooks: the X-GitHub-Delivery GUID,
-// scoped by the X-GitHub-Hook-ID header (source "github:<hook id>"), because
-// every hook that fires for one event shares the delivery GUID. Without a hook
-// id header the source is "github".
+// scoped by the X-GitHub-Hook-ID header, because every hook that fires for
+// one event shares the delivery GUID, and by the endpoint (source
+// "github:<hook id> POST /webhooks/github"; "github POST ..." without a hook
+// id header; see WithSource).
 func GitHub() KeyFunc {
 	return func(r *http.Request, _ []byte) (Key, error) {
 		id, err := singleHeader(r, "X-Github-Delivery")
@@ -120,17 +166,28 @@ func GitHub() KeyFunc {
 		case len(hooks) == 1 && hooks[0] != "":
 			source = "github:" + hooks[0]
 		}
-		return Key{Source: source, EventID: id}, nil
+		return endpointKey(r, source, id)
 	}
 }
 
 // Shopify returns the KeyFunc for Shopify webhooks: the X-Shopify-Event-Id
-// header, which stays the same across retries, with source "shopify".
-func Shopify() KeyFunc { return Header("shopify", "X-Shopify-Event-Id") }
+// header, which stays the same across retries, scoped by the endpoint
+// (source "shopify POST /webhooks/shopify"; see WithSource).
+func Shopify() KeyFunc {
+	return func(r *http.Request, _ []byte) (Key, error) {
+		id, err := singleHeader(r, "X-Shopify-Event-Id")
+		if err != nil {
+			return Key{}, err
+		}
+		return endpointKey(r, "shopify", id)
+	}
+}
 
 // StandardWebhooks returns the KeyFunc for senders that follow the Standard
 // Webhooks specification (and Svix): the webhook-id header, or svix-id when
-// webhook-id is absent, scoped by source (name the sender: "resend", "clerk").
+// webhook-id is absent, scoped by source (name the sender: "resend",
+// "clerk") and by the endpoint (source "resend POST /webhooks/resend"; see
+// WithSource).
 func StandardWebhooks(source string) KeyFunc {
 	mustSource("StandardWebhooks", source)
 	return func(r *http.Request, _ []byte) (Key, error) {
@@ -142,7 +199,7 @@ func StandardWebhooks(source string) KeyFunc {
 		if err != nil {
 			return Key{}, fmt.Errorf("%w (webhook-id or svix-id)", err)
 		}
-		return Key{Source: source, EventID: id}, nil
+		return endpointKey(r, source, id)
 	}
 }
 
@@ -207,19 +264,26 @@ func ParseIdempotencyKey(v string) (string, error) {
 	return "", fmt.Errorf("%w: Idempotency-Key has no closing quote", ErrInvalidKey)
 }
 
-// jsonField finds the string or number at path in body without decoding the
-// whole document into maps. The body must be valid JSON as a whole, and no
-// object on the path may carry the wanted key twice.
-func jsonField(body []byte, path []string) (string, error) {
+// jsonField finds the string (or, unless stringOnly, number) at path in
+// body without decoding the whole document into maps. The body must be
+// valid JSON as a whole, and no object on the path may carry the wanted key
+// twice.
+func jsonField(r *http.Request, body []byte, path []string, stringOnly bool) (string, error) {
+	if len(bytes.TrimSpace(body)) == 0 {
+		return "", fmt.Errorf("%w: the request has no body; the key is read from its JSON field %s", ErrBadBody, dotted(path))
+	}
 	// RFC 8259: JSON exchanged between systems is UTF-8. encoding/json
 	// would quietly turn invalid bytes into U+FFFD, and two different bodies
 	// into the same id.
 	if !utf8.Valid(body) || !json.Valid(body) {
-		return "", fmt.Errorf("%w: the body is not valid JSON", ErrInvalidKey)
+		if ct := r.Header.Get("Content-Type"); ct != "" && !strings.Contains(strings.ToLower(ct), "json") {
+			return "", fmt.Errorf("%w: the body must be JSON, and its Content-Type is not", ErrBadBody)
+		}
+		return "", fmt.Errorf("%w: the body is not valid JSON", ErrBadBody)
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
-	id, found, err := findField(dec, path, 0)
+	id, found, err := findField(dec, path, 0, stringOnly)
 	if err != nil {
 		return "", err
 	}
@@ -231,7 +295,7 @@ func jsonField(body []byte, path []string) (string, error) {
 
 // findField reads one whole JSON value from dec, which must be an object,
 // and looks for path[depth:] inside it.
-func findField(dec *json.Decoder, path []string, depth int) (id string, found bool, err error) {
+func findField(dec *json.Decoder, path []string, depth int, stringOnly bool) (id string, found bool, err error) {
 	if err := enterObject(dec); err != nil {
 		return "", false, fmt.Errorf("%w: %s is not a JSON object", ErrInvalidKey, dotted(path[:depth]))
 	}
@@ -253,7 +317,7 @@ func findField(dec *json.Decoder, path []string, depth int) (id string, found bo
 		found = true
 		if depth+1 < len(path) {
 			var sub bool
-			id, sub, err = findField(dec, path, depth+1)
+			id, sub, err = findField(dec, path, depth+1, stringOnly)
 			if err != nil {
 				return "", false, err
 			}
@@ -270,6 +334,9 @@ func findField(dec *json.Decoder, path []string, depth int) (id string, found bo
 		case string:
 			id = t
 		case json.Number:
+			if stringOnly {
+				return "", false, fmt.Errorf("%w: field %s must be a string", ErrInvalidKey, dotted(path))
+			}
 			id = t.String()
 		default:
 			return "", false, fmt.Errorf("%w: field %s must be a string or a number", ErrInvalidKey, dotted(path))

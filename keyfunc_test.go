@@ -40,16 +40,22 @@ func TestKeyFuncs(t *testing.T) {
 		{"JSONField null", idem.JSONField("acme", "id"), `{"id":null}`, nil, idem.Key{}, idem.ErrInvalidKey},
 		{"JSONField boolean", idem.JSONField("acme", "id"), `{"id":true}`, nil, idem.Key{}, idem.ErrInvalidKey},
 		{"JSONField duplicate parent", idem.JSONField("acme", "data.id"), `{"data":{"id":"a"},"data":{"id":"b"}}`, nil, idem.Key{}, idem.ErrInvalidKey},
-		{"JSONField trailing garbage", idem.JSONField("acme", "id"), `{"id":"a"} x`, nil, idem.Key{}, idem.ErrInvalidKey},
-		{"JSONField invalid UTF-8 anywhere", idem.JSONField("acme", "id"), "{\"id\":\"a\",\"n\":\"\xc3\"}", nil, idem.Key{}, idem.ErrInvalidKey},
-		{"Stripe", idem.Stripe(), `{"id":"evt_1NG8Du2eZvKYlo2C","object":"event"}`, nil, idem.Key{Source: "stripe", EventID: "evt_1NG8Du2eZvKYlo2C"}, nil},
-		{"GitHub scoped by hook", idem.GitHub(), "", []string{"X-GitHub-Delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958", "X-GitHub-Hook-ID", "292430182"}, idem.Key{Source: "github:292430182", EventID: "72d3162e-cc78-11e3-81ab-4c9367dc0958"}, nil},
-		{"GitHub without hook id", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1"}, idem.Key{Source: "github", EventID: "d1"}, nil},
+		{"JSONField trailing garbage", idem.JSONField("acme", "id"), `{"id":"a"} x`, nil, idem.Key{}, idem.ErrBadBody},
+		{"JSONField empty body", idem.JSONField("acme", "id"), "", nil, idem.Key{}, idem.ErrBadBody},
+		{"Stripe form-encoded body", idem.Stripe(), "id=evt_1&type=x", []string{"Content-Type", "application/x-www-form-urlencoded"}, idem.Key{}, idem.ErrBadBody},
+		{"Stripe numeric id", idem.Stripe(), `{"id":12345}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe huge numeric id", idem.Stripe(), `{"id":1e400}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe negative zero", idem.Stripe(), `{"id":-0}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe shared by WithSource", idem.Stripe().WithSource("stripe"), `{"id":"evt_1"}`, nil, idem.Key{Source: "stripe", EventID: "evt_1"}, nil},
+		{"JSONField invalid UTF-8 anywhere", idem.JSONField("acme", "id"), "{\"id\":\"a\",\"n\":\"\xc3\"}", nil, idem.Key{}, idem.ErrBadBody},
+		{"Stripe", idem.Stripe(), `{"id":"evt_1NG8Du2eZvKYlo2C","object":"event"}`, nil, idem.Key{Source: "stripe POST /", EventID: "evt_1NG8Du2eZvKYlo2C"}, nil},
+		{"GitHub scoped by hook", idem.GitHub(), "", []string{"X-GitHub-Delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958", "X-GitHub-Hook-ID", "292430182"}, idem.Key{Source: "github:292430182 POST /", EventID: "72d3162e-cc78-11e3-81ab-4c9367dc0958"}, nil},
+		{"GitHub without hook id", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1"}, idem.Key{Source: "github POST /", EventID: "d1"}, nil},
 		{"GitHub with two hook ids", idem.GitHub(), "", []string{"X-GitHub-Delivery", "d1", "X-GitHub-Hook-ID", "1", "X-GitHub-Hook-ID", "2"}, idem.Key{}, idem.ErrInvalidKey},
 		{"GitHub without delivery", idem.GitHub(), "", nil, idem.Key{}, idem.ErrNoKey},
-		{"Shopify", idem.Shopify(), "", []string{"X-Shopify-Event-Id", "98880550-7158-44d4-b7cd-2c97c8a091b5"}, idem.Key{Source: "shopify", EventID: "98880550-7158-44d4-b7cd-2c97c8a091b5"}, nil},
-		{"Standard Webhooks", idem.StandardWebhooks("resend"), "", []string{"webhook-id", "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, idem.Key{Source: "resend", EventID: "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, nil},
-		{"Svix", idem.StandardWebhooks("clerk"), "", []string{"svix-id", "msg_p5jXN8AQM9LWM0D4loKWxJek"}, idem.Key{Source: "clerk", EventID: "msg_p5jXN8AQM9LWM0D4loKWxJek"}, nil},
+		{"Shopify", idem.Shopify(), "", []string{"X-Shopify-Event-Id", "98880550-7158-44d4-b7cd-2c97c8a091b5"}, idem.Key{Source: "shopify POST /", EventID: "98880550-7158-44d4-b7cd-2c97c8a091b5"}, nil},
+		{"Standard Webhooks", idem.StandardWebhooks("resend"), "", []string{"webhook-id", "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, idem.Key{Source: "resend POST /", EventID: "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"}, nil},
+		{"Svix", idem.StandardWebhooks("clerk"), "", []string{"svix-id", "msg_p5jXN8AQM9LWM0D4loKWxJek"}, idem.Key{Source: "clerk POST /", EventID: "msg_p5jXN8AQM9LWM0D4loKWxJek"}, nil},
 		{"Standard Webhooks without id", idem.StandardWebhooks("resend"), "", nil, idem.Key{}, idem.ErrNoKey},
 		{"Idempotency-Key quoted", idem.IdempotencyKey("api"), "", []string{"Idempotency-Key", `"8e03978e-40d5-43e8-bc93-6894a57f9324"`}, idem.Key{Source: "api", EventID: "8e03978e-40d5-43e8-bc93-6894a57f9324"}, nil},
 		{"Idempotency-Key bare", idem.IdempotencyKey("api"), "", []string{"Idempotency-Key", "8e03978e-40d5"}, idem.Key{Source: "api", EventID: "8e03978e-40d5"}, nil},
@@ -96,6 +102,7 @@ func TestKeyFuncConstructorsRejectProgrammingErrors(t *testing.T) {
 	assert.Panics(t, func() { idem.Header("", "X-Id") })
 	assert.Panics(t, func() { idem.Header("acme", "") })
 	assert.Panics(t, func() { idem.IdempotencyKey("bad\x00source") })
+	assert.Panics(t, func() { idem.Stripe().WithSource("") })
 }
 
 func TestNewValidatesOptions(t *testing.T) {

@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"bytes"
+	"database/sql"
 	"log/slog"
 	"net/http"
 	"sync"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 type logBuffer struct {
@@ -48,4 +50,46 @@ func TestLogsCarryTheKeyNeverTheBody(t *testing.T) {
 	assert.Contains(t, logs, "Missing or invalid idempotency key")
 	assert.NotContains(t, logs, "body-secret")
 	assert.NotContains(t, logs, "answer-secret")
+}
+
+// Without a Logger, refusals and failures go to slog.Default(), as it is
+// when they happen; a discarding logger silences them. Not parallel: it
+// replaces the process's default logger.
+func TestNilLoggerLogsToTheDefault(t *testing.T) {
+	var out logBuffer
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewJSONHandler(&out, nil)))
+	t.Cleanup(func() { slog.SetDefault(prev) })
+
+	f := newFixture(t, idem.Options{}, nil)
+	f.post("", `{}`) // no key: 400
+	assert.Contains(t, out.String(), "Missing or invalid idempotency key")
+
+	quiet := newFixture(t, idem.Options{Logger: slog.New(slog.DiscardHandler)}, nil)
+	before := out.String()
+	quiet.post("", `{}`)
+	assert.Equal(t, before, out.String())
+}
+
+// New warns when the *sql.DB has no connection cap: a retry storm would
+// open a connection per request, past max_connections.
+func TestNewWarnsAboutAnUncappedPool(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	table := idem.NewTestTable(t, db)
+	var out logBuffer
+	logger := slog.New(slog.NewJSONHandler(&out, nil))
+	uncapped, err := sql.Open("pgx", idem.TestDatabaseURL(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { uncapped.Close() })
+	_, err = idem.New(uncapped, idem.Options{KeyFunc: idem.Stripe(), Table: table, Logger: logger})
+	require.NoError(t, err)
+	assert.Contains(t, out.String(), `"level":"WARN"`)
+	assert.Contains(t, out.String(), "SetMaxOpenConns")
+
+	var quiet logBuffer
+	uncapped.SetMaxOpenConns(8)
+	_, err = idem.New(uncapped, idem.Options{KeyFunc: idem.Stripe(), Table: table, Logger: slog.New(slog.NewJSONHandler(&quiet, nil))})
+	require.NoError(t, err)
+	assert.Empty(t, quiet.String())
 }

@@ -115,7 +115,9 @@ type Options struct {
 	TxOptions *sql.TxOptions
 
 	// Logger receives one record per failed or refused request and every
-	// misuse, with source and event id, never bodies. nil means no logging.
+	// misuse, with source and event id, never bodies, and New's warnings.
+	// nil means slog.Default(); to silence it, pass
+	// slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
 
 	// ErrorHandler renders the middleware's own error answers. nil means
@@ -229,9 +231,16 @@ func New(db *sql.DB, opts Options) (*Middleware, error) {
 	if db == nil {
 		return nil, errors.New("idem: New needs a *sql.DB")
 	}
-	return newMiddleware(func(q driver.Queries) driver.Driver {
+	m, err := newMiddleware(func(q driver.Queries) driver.Driver {
 		return &sqlDriver{db: db, q: q, opts: opts.TxOptions}
 	}, opts)
+	if err == nil && db.Stats().MaxOpenConnections == 0 {
+		// A retry storm opens a connection per concurrent request, past
+		// PostgreSQL's max_connections: every request then fails.
+		m.logr().LogAttrs(context.Background(), slog.LevelWarn,
+			"idem: the *sql.DB has no connection cap; a retry storm can exhaust PostgreSQL's max_connections and fail every request: call db.SetMaxOpenConns (see docs/operations.md#sizing-the-pool)")
+	}
+	return m, err
 }
 
 func init() {
@@ -562,10 +571,10 @@ func (l *limitedReader) Read(p []byte) (int, error) {
 }
 
 // keyProblem answers a KeyFunc or validation error with 400. Only errors
-// that wrap ErrNoKey or ErrInvalidKey have their text shown to the caller;
-// a custom KeyFunc's other errors may carry anything.
+// that wrap ErrNoKey, ErrInvalidKey or ErrBadBody have their text shown to
+// the caller; a custom KeyFunc's other errors may carry anything.
 func keyProblem(err error) *Problem {
-	if errors.Is(err, ErrNoKey) || errors.Is(err, ErrInvalidKey) {
+	if errors.Is(err, ErrNoKey) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrBadBody) {
 		return problemFor(err)
 	}
 	p := problemFor(fmt.Errorf("%w: %w", ErrInvalidKey, err))
@@ -772,6 +781,13 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, 
 
 	status := rec.finalStatus()
 	switch {
+	case ctx.Err() != nil:
+		// Past HandlerTimeout, whatever the handler answered (often its
+		// own error about the deadline): roll back and say so, with
+		// Retry-After, so the sender retries.
+		_ = tx.Rollback(ctx)
+		x.fail(OutcomeRolledBack, problemFor(fmt.Errorf("%w: the handler returned %d after %v", ErrHandlerTimeout, status, m.handlerTimeout)))
+		return
 	case rec.overflow:
 		_ = tx.Rollback(ctx)
 		x.fail(OutcomeRolledBack, problemFor(ErrResponseTooLarge))
@@ -876,11 +892,16 @@ func (x *exchange) observe() {
 	x.m.observer(x.obs)
 }
 
-func (m *Middleware) log(x *exchange, level slog.Level, msg string, err error) {
-	if m.logger == nil {
-		return
+// logr is Options.Logger, or slog.Default() as it is now.
+func (m *Middleware) logr() *slog.Logger {
+	if m.logger != nil {
+		return m.logger
 	}
-	m.logger.LogAttrs(x.r.Context(), level, "idem: "+msg,
+	return slog.Default()
+}
+
+func (m *Middleware) log(x *exchange, level slog.Level, msg string, err error) {
+	m.logr().LogAttrs(x.r.Context(), level, "idem: "+msg,
 		slog.String("source", x.obs.Key.Source),
 		slog.String("event_id", x.obs.Key.EventID),
 		slog.String("method", x.r.Method),

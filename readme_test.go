@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"errors"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -160,4 +161,26 @@ func headingAnchors(t *testing.T, path string) map[string]bool {
 		anchors[a.String()] = true
 	}
 	return anchors
+}
+
+// TestProblemTypesResolve: the type URI of every answer the middleware
+// writes names a heading of docs/problems.md.
+func TestProblemTypesResolve(t *testing.T) {
+	const base = "https://github.com/pgidem/idem/blob/main/docs/problems.md#"
+	anchors := headingAnchors(t, "docs/problems.md")
+	for _, err := range []error{
+		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
+		ErrPayloadMismatch, ErrUnavailable, ErrHandlerTimeout, ErrTxMisuse, ErrTxAborted, ErrResponseTooLarge,
+		errors.New("anything else"),
+	} {
+		p := problemFor(err)
+		anchor, ok := strings.CutPrefix(p.Type, base)
+		if !ok {
+			t.Errorf("%v: type %q is not under %s", err, p.Type, base)
+			continue
+		}
+		if !anchors[anchor] {
+			t.Errorf("%v: type %q: docs/problems.md has no heading %q", err, p.Type, anchor)
+		}
+	}
 }

@@ -78,7 +78,8 @@ type SweepOptions struct {
 
 	// Logger receives one record per run (Info; Warn when the run stopped
 	// at MaxBatches; Error when it failed) and one per batch (Debug). nil
-	// means no logging.
+	// means slog.Default(); to silence it, pass
+	// slog.New(slog.DiscardHandler).
 	Logger *slog.Logger
 
 	// Observer, if set, is called at the end of every Sweep (so after each
@@ -205,10 +206,8 @@ func (s *sweeper) run(ctx context.Context, db *sql.DB) (res SweepResult, err err
 		}
 		res.Batches++
 		res.Removed += n
-		if s.logger != nil {
-			s.logger.LogAttrs(ctx, slog.LevelDebug, "idem: sweep batch",
-				slog.String("table", s.table.name), slog.Int("batch", res.Batches), slog.Int64("removed", n))
-		}
+		s.logr().LogAttrs(ctx, slog.LevelDebug, "idem: sweep batch",
+			slog.String("table", s.table.name), slog.Int("batch", res.Batches), slog.Int64("removed", n))
 		if n < int64(s.batch) {
 			return res, nil
 		}
@@ -230,9 +229,7 @@ func (s *sweeper) report(ctx context.Context, res SweepResult, err error) {
 	if s.observer != nil {
 		s.observer(res, err)
 	}
-	if s.logger == nil {
-		return
-	}
+	log := s.logr()
 	attrs := []slog.Attr{
 		slog.String("table", s.table.name),
 		slog.Int64("removed", res.Removed),
@@ -243,14 +240,22 @@ func (s *sweeper) report(ctx context.Context, res SweepResult, err error) {
 	}
 	switch {
 	case err != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()):
-		s.logger.LogAttrs(ctx, slog.LevelInfo, "idem: sweep interrupted", append(attrs, slog.Any("error", err))...)
+		log.LogAttrs(ctx, slog.LevelInfo, "idem: sweep interrupted", append(attrs, slog.Any("error", err))...)
 	case err != nil:
-		s.logger.LogAttrs(ctx, slog.LevelError, "idem: sweep failed", append(attrs, slog.Any("error", err))...)
+		log.LogAttrs(ctx, slog.LevelError, "idem: sweep failed", append(attrs, slog.Any("error", err))...)
 	case res.Capped:
-		s.logger.LogAttrs(ctx, slog.LevelWarn, "idem: sweep stopped at the batch cap; expired keys remain (raise MaxBatches or BatchSize, or sweep more often)", attrs...)
+		log.LogAttrs(ctx, slog.LevelWarn, "idem: sweep stopped at the batch cap; expired keys remain (raise MaxBatches or BatchSize, or sweep more often)", attrs...)
 	default:
-		s.logger.LogAttrs(ctx, slog.LevelInfo, "idem: sweep done", attrs...)
+		log.LogAttrs(ctx, slog.LevelInfo, "idem: sweep done", attrs...)
 	}
+}
+
+// logr is SweepOptions.Logger, or slog.Default() as it is now.
+func (s *sweeper) logr() *slog.Logger {
+	if s.logger != nil {
+		return s.logger
+	}
+	return slog.Default()
 }
 
 // RunSweeper runs Sweep at once and then every interval (counted from the

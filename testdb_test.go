@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"log/slog"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -33,7 +34,24 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "idem tests: IDEM_ADAPTER must be sql or pgx, not", a)
 		os.Exit(2)
 	}
+	// A nil Options.Logger logs to slog.Default(): keep the suite's
+	// thousands of refusals out of its output unless asked for.
+	if os.Getenv("IDEM_TEST_LOG") == "" {
+		slog.SetDefault(slog.New(slog.DiscardHandler))
+	}
+	// The runnable Examples open os.Getenv("DATABASE_URL"), as an
+	// application does: point it at this binary's own database.
+	testDBOnce.Do(func() { testDBURL, testDBName, testDBErr = createTestDatabase() })
+	admin, hadAdmin := os.LookupEnv("DATABASE_URL")
+	if testDBErr == nil {
+		os.Setenv("DATABASE_URL", testDBURL)
+	}
 	code := m.Run()
+	if hadAdmin { // testdb drops the database through the server's admin URL
+		os.Setenv("DATABASE_URL", admin)
+	} else {
+		os.Unsetenv("DATABASE_URL")
+	}
 	if testDBName != "" {
 		if err := dropTestDatabase(); err != nil {
 			fmt.Fprintln(os.Stderr, "idem tests: drop test database:", err)
@@ -108,23 +126,4 @@ func newTestTable(t testing.TB, db *sql.DB) string {
 		t.Fatal(err)
 	}
 	return name
-}
-
-// exampleDB opens the test database for Example functions, which have no
-// testing.T, and migrates a fresh table for the example; it panics when
-// PostgreSQL is missing, failing the example.
-func exampleDB() (*sql.DB, string) {
-	testDBOnce.Do(func() { testDBURL, testDBName, testDBErr = createTestDatabase() })
-	if testDBErr != nil {
-		panic("PostgreSQL is required: " + testDBErr.Error())
-	}
-	db, err := sql.Open("pgx", testDBURL)
-	if err != nil {
-		panic(err)
-	}
-	name := fmt.Sprintf("example_%d", tableSeq.Add(1))
-	if err := Migrate(context.Background(), db, name); err != nil {
-		panic(err)
-	}
-	return db, name
 }

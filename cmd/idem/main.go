@@ -21,6 +21,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
@@ -167,6 +168,7 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		opts := idem.SweepOptions{
 			Table: table, Retention: *retention, UnsafeShortRetention: *unsafe,
 			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause,
+			Logger: slog.New(slog.DiscardHandler), // the command prints its own summary
 		}
 		switch {
 		case *retention == 0:

@@ -32,6 +32,7 @@ package idemprom
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -41,10 +42,11 @@ import (
 // Options configures the metrics. The zero value is ready to use.
 type Options struct {
 	// SourceLabel maps a key's source to the value of the source label. nil
-	// means the source itself, which is right for fixed sources ("stripe",
-	// "shopify"). Sources taken from the request, such as idem.GitHub()'s
-	// "github:<hook id>" or a tenant id, should be folded into a small set
-	// here, or dropped by returning "".
+	// means the source up to its first space: a preset's endpoint scope
+	// ("stripe POST /webhooks/stripe") counts as "stripe", and a fixed
+	// source as itself. Sources taken from the request, such as
+	// idem.GitHub()'s "github:<hook id>" or a tenant id, should be folded
+	// into a small set here, or dropped by returning "".
 	SourceLabel func(source string) string
 
 	// DurationBuckets are the buckets of idem_request_duration_seconds, in
@@ -109,8 +111,12 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 // it from an Observer of your own.
 func (m *Metrics) Observe(o idem.Observation) {
 	source := o.Key.Source
-	if m.sourceLabel != nil && source != "" {
+	switch {
+	case source == "":
+	case m.sourceLabel != nil:
 		source = m.sourceLabel(source)
+	default:
+		source, _, _ = strings.Cut(source, " ")
 	}
 	outcome := o.Outcome.String()
 	m.requests.WithLabelValues(source, outcome, strconv.Itoa(o.Status)).Inc()

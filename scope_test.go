@@ -1,0 +1,103 @@
+package idem_test
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// postTo sends a JSON body to path on f's server with the given method.
+func (f *fixture) postTo(method, path, body string) reply {
+	f.t.Helper()
+	req, err := http.NewRequest(method, f.srv.URL+path, strings.NewReader(body))
+	require.NoError(f.t, err)
+	req.Header.Set("Content-Type", "application/json")
+	return f.send(req)
+}
+
+// Stripe sends one event to every endpoint subscribed to it: two endpoints
+// of one app, behind one middleware with the Stripe preset, must each run
+// the event once and replay their own answer.
+func TestPresetsScopeKeysByEndpoint(t *testing.T) {
+	mux := http.NewServeMux()
+	f := newFixture(t, idem.Options{KeyFunc: idem.Stripe()}, mux)
+	mux.Handle("POST /webhooks/stripe", f.ledgerHandler())
+	mux.Handle("POST /webhooks/stripe-billing", f.ledgerHandler())
+	event := `{"id":"evt_1","type":"invoice.paid"}`
+
+	first := f.postTo(http.MethodPost, "/webhooks/stripe", event)
+	second := f.postTo(http.MethodPost, "/webhooks/stripe-billing", event)
+	require.Equal(t, http.StatusCreated, first.status, "%s", first.body)
+	require.Equal(t, http.StatusCreated, second.status, "%s", second.body)
+	assert.NotEqual(t, first.body, second.body, "each endpoint ran the event itself")
+	assert.Equal(t, 2, f.ledgerRows())
+
+	for path, want := range map[string]reply{"/webhooks/stripe": first, "/webhooks/stripe-billing": second} {
+		again := f.postTo(http.MethodPost, path, event)
+		assert.Equal(t, want.body, again.body, "%s replays its own answer", path)
+		assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
+	}
+	assert.Equal(t, 2, f.ledgerRows())
+	var sources []string
+	rows, err := f.db.Query(`SELECT source FROM "` + f.table + `" ORDER BY source`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var s string
+		require.NoError(t, rows.Scan(&s))
+		sources = append(sources, s)
+	}
+	require.NoError(t, rows.Err())
+	assert.Equal(t, []string{"stripe POST /webhooks/stripe", "stripe POST /webhooks/stripe-billing"}, sources)
+
+	// A method the route does not serve is the router's answer (405), not
+	// the replay of the POST's; nothing is stored for it.
+	put := f.postTo(http.MethodPut, "/webhooks/stripe", event)
+	assert.Equal(t, http.StatusMethodNotAllowed, put.status, "%s", put.body)
+	assert.Empty(t, put.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 2, f.keys())
+}
+
+// WithSource shares one scope between endpoints, when that is what the
+// application wants: the second endpoint replays the first one's answer.
+func TestWithSourceSharesAScope(t *testing.T) {
+	mux := http.NewServeMux()
+	f := newFixture(t, idem.Options{KeyFunc: idem.Stripe().WithSource("stripe")}, mux)
+	mux.Handle("POST /a", f.ledgerHandler())
+	mux.Handle("POST /b", f.ledgerHandler())
+	first := f.postTo(http.MethodPost, "/a", `{"id":"evt_2"}`)
+	second := f.postTo(http.MethodPost, "/b", `{"id":"evt_2"}`)
+	require.Equal(t, http.StatusCreated, first.status)
+	assert.Equal(t, first.body, second.body)
+	assert.Equal(t, "true", second.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+// Bodies a JSON preset cannot read are answered 400 with a problem that
+// names the body, not the key, and leave nothing behind.
+func TestBadBodiesAreNamedAsSuch(t *testing.T) {
+	f := newFixture(t, idem.Options{KeyFunc: idem.Stripe()}, nil)
+	for name, req := range map[string]func() reply{
+		"missing": func() reply { return f.postTo(http.MethodPost, "/hook", "") },
+		"form-encoded": func() reply {
+			req, err := http.NewRequest(http.MethodPost, f.srv.URL+"/hook", strings.NewReader("id=evt_1&type=x"))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			return f.send(req)
+		},
+	} {
+		r := req()
+		assert.Equal(t, http.StatusBadRequest, r.status, name)
+		doc := problemDoc(t, r)
+		assert.True(t, strings.HasSuffix(doc["type"].(string), "#invalid-body"), "%s: %v", name, doc["type"])
+		assert.Equal(t, "Missing or malformed request body", doc["title"], name)
+	}
+	long := f.postTo(http.MethodPost, "/hook/"+strings.Repeat("p", 300), `{"id":"evt_3"}`)
+	assert.Equal(t, http.StatusBadRequest, long.status)
+	assert.Contains(t, string(long.body), "WithSource")
+	assert.Equal(t, 0, f.keys())
+	assert.Equal(t, 0, f.ledgerRows())
+}
