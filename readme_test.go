@@ -183,4 +183,8 @@ func TestProblemTypesResolve(t *testing.T) {
 			t.Errorf("%v: type %q: docs/problems.md has no heading %q", err, p.Type, anchor)
 		}
 	}
+	// New's warning about an uncapped pool sends the reader here.
+	if !headingAnchors(t, "docs/operations.md")["sizing-the-pool"] {
+		t.Error("docs/operations.md has no heading 'Sizing the pool', which New's warning names")
+	}
 }
