@@ -13,17 +13,17 @@
 //
 // For each request with a covered method (POST, PUT, PATCH, DELETE by
 // default) the middleware reads the body (bounded by Options.MaxBodyBytes),
-// extracts a Key with the KeyFunc, begins a transaction and claims the key
-// with a single INSERT ... ON CONFLICT DO NOTHING, gated on a transaction
-// advisory lock of the key taken without waiting: the primary key
-// (source, event_id) decides who owns the key, and the lock lets a
-// duplicate see at once that the original is still in flight. The handler runs with the transaction in
-// its context (Tx), so its business writes commit or roll back together with
-// the claim. Its answer is buffered; a final answer (2xx by default) is
-// stored on the claimed row and committed, and only then sent. Anything else
-// (another status, a panic, a timeout, a database error) rolls everything
-// back, so the sender's retry runs the handler again: failures are never
-// cached.
+// extracts a Key with the KeyFunc (the presets scope it by endpoint: the
+// request's method and path), begins a transaction and claims the key
+// under a transaction-level advisory lock of the key, taken without
+// waiting: the lock tells a duplicate at once that the original is still
+// in flight, and the primary key (source, event_id) decides who owns the
+// key. The handler runs with the transaction in its context (Tx), so its
+// business writes commit or roll back together with the claim. Its answer
+// is buffered; a final answer (2xx by default) is stored in the key's row
+// and committed, and only then sent. Anything else (another status, a
+// panic, a timeout, a database error) rolls everything back, so the
+// sender's retry runs the handler again: failures are never cached.
 //
 // A duplicate of a completed key gets the stored status, allow-listed
 // headers and exact body bytes, with Idempotent-Replayed: true, without
@@ -38,8 +38,10 @@
 // are small application/problem+json documents (see WriteProblem and
 // Options.ErrorHandler).
 //
-// The table is created by Migrate; see README.md for the schema, the
-// behaviour table, retention and operations.
+// The table is created by Migrate. README.md has the behaviour table and a
+// production checklist; docs/ has how a claim works statement by statement
+// (on database/sql and on pgx), the schema, the problem types, retention
+// and operations.
 //
 // Effects the database cannot roll back (an email, a call to another API)
 // do not belong inside the handler's transaction: write an outbox row (or

@@ -2,12 +2,15 @@ package idem
 
 import (
 	"errors"
+	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode"
@@ -187,4 +190,155 @@ func TestProblemTypesResolve(t *testing.T) {
 	if !headingAnchors(t, "docs/operations.md")["sizing-the-pool"] {
 		t.Error("docs/operations.md has no heading 'Sizing the pool', which New's warning names")
 	}
+}
+
+// TestDocCodeCompiles type-checks every Go block of the README and docs/
+// with the Go toolchain, against this module: each block in a package of
+// its own, wrapped in a function unless it declares functions itself, with
+// the names a snippet takes from its surroundings (ctx, db, pool, mux, ...)
+// declared around it. Only "declared and not used" is forgiven: a snippet
+// shows how to get a value, not everything done with it.
+func TestDocCodeCompiles(t *testing.T) {
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatalf("the go command is needed to compile the docs' code: %v", err)
+	}
+	pages, _ := filepath.Glob("docs/*.md")
+	pages = append(pages, "README.md")
+	dir, err := os.MkdirTemp(".", ".doccode-") // inside the module; go ./... skips dot directories
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	var pkgs []string
+	type origin struct {
+		page         string
+		line, offset int // the block's first line on the page; lines of the file before it
+	}
+	where := map[string]origin{} // package dir -> where its block is
+	for _, page := range pages {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range goBlocks(string(text)) {
+			pkg := filepath.Join(dir, fmt.Sprintf("b%d", len(pkgs)))
+			if err := os.Mkdir(pkg, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			file, offset := docBlockFile(b.code)
+			if err := os.WriteFile(filepath.Join(pkg, "block.go"), []byte(file), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			pkgs = append(pkgs, "./"+filepath.ToSlash(pkg))
+			where[filepath.Base(pkg)] = origin{page, b.line, offset}
+		}
+	}
+	if len(pkgs) < 5 {
+		t.Fatalf("found %d Go blocks in the README and docs/; the parser is broken", len(pkgs))
+	}
+	out, _ := exec.Command(goTool, append([]string{"build", "-gcflags=-e"}, pkgs...)...).CombinedOutput()
+	for _, line := range strings.Split(string(out), "\n") {
+		if line == "" || strings.HasPrefix(line, "#") || strings.Contains(line, "declared and not used") {
+			continue
+		}
+		at := ""
+		if m := regexp.MustCompile(`(b\d+)/block\.go:(\d+):(\d+): (.*)`).FindStringSubmatch(line); m != nil {
+			o := where[m[1]]
+			n, _ := strconv.Atoi(m[2])
+			at, line = fmt.Sprintf("%s:%d:%s: ", o.page, o.line+n-o.offset-1, m[3]), m[4]
+		}
+		t.Errorf("%sa Go block does not compile: %s", at, line)
+	}
+}
+
+type goBlock struct {
+	code string
+	line int
+}
+
+// goBlocks returns the ```go fenced blocks of a Markdown page.
+func goBlocks(text string) []goBlock {
+	var blocks []goBlock
+	var cur *strings.Builder
+	start := 0
+	for i, line := range strings.Split(text, "\n") {
+		switch {
+		case cur == nil && strings.TrimSpace(line) == "```go":
+			cur, start = &strings.Builder{}, i+2
+		case cur != nil && strings.TrimSpace(line) == "```":
+			blocks = append(blocks, goBlock{cur.String(), start})
+			cur = nil
+		case cur != nil:
+			cur.WriteString(line + "\n")
+		}
+	}
+	return blocks
+}
+
+// docBlockFile is a Go file holding one block and what it refers to, and
+// how many of its lines come before the block's first.
+func docBlockFile(code string) (string, int) {
+	var b strings.Builder
+	b.WriteString(`package doccode
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"log"
+	"log/slog"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
+)
+
+var (
+	_ = context.Background
+	_ = sql.Open
+	_ = json.Marshal
+	_ = log.Fatal
+	_ = slog.Default
+	_ = os.Getenv
+	_ = time.Second
+	_ = stdlib.OpenDBFromPool
+	_ = idem.New
+	_ = idempgx.New
+)
+
+// What the snippets take from their surroundings.
+var (
+	ctx     context.Context
+	db      *sql.DB
+	pool    *pgxpool.Pool
+	mux     *http.ServeMux
+	logger  *slog.Logger
+	queries sqlcQueries
+	params  any
+)
+
+// sqlcQueries stands for the queries sqlc generates in its pgx/v5 mode.
+type sqlcQueries struct{}
+
+func (q sqlcQueries) WithTx(pgx.Tx) sqlcQueries { return q }
+func (sqlcQueries) RecordPayment(context.Context, any) (int64, error) { return 0, nil }
+`)
+	for _, h := range []string{"handleStripe", "createOrder"} {
+		if !strings.Contains(code, "func "+h+"(") {
+			b.WriteString("func " + h + "(http.ResponseWriter, *http.Request) {}\n")
+		}
+	}
+	if !regexp.MustCompile(`(?m)^func `).MatchString(code) {
+		b.WriteString("func _() {\n")
+		code += "}\n"
+	}
+	offset := strings.Count(b.String(), "\n")
+	b.WriteString(code)
+	return b.String(), offset
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The SQL-only comparison behind docs/performance.md's "Where the floor is":
-# each path's statements, without Go or HTTP, through pgbench (8 clients, as
-# in DESIGN-NOTES), in interleaved rounds. Creates its own database and drops
+# The SQL-only comparison behind docs/performance.md's "What limits the
+# speed": each path's statements, without Go or HTTP, through pgbench (8
+# clients by default), in interleaved rounds. Creates its own database and drops
 # it at the end.
 #
 #   bench/pgbench/run.sh            # 3 rounds of 8 s per script

@@ -1,8 +1,8 @@
 // Command echo receives billing webhooks that follow the Standard Webhooks
 // specification (webhook-id header) on a labstack/echo server: the
-// idempotency middleware is installed with
-// e.Use(echo.WrapMiddleware(mw.Handler)), and the handler reaches the
-// transaction through c.Request().Context().
+// idempotency middleware is installed on the webhook group with
+// e.Group("/webhooks", echo.WrapMiddleware(mw.Handler), renderErrors), and
+// the handler reaches the transaction through c.Request().Context().
 //
 //	go run ./echo
 //	curl -i -X POST -H 'webhook-id: msg_2KWPBgLlAfxdpx2AI54pPJ85f4W' \
