@@ -16,17 +16,23 @@ import (
 )
 
 // The examples run against PostgreSQL, in a database of their own that
-// TestMain creates (DATABASE_URL, default the local server) and drops.
-var databaseURL string
-
+// TestMain creates (on the server at DATABASE_URL, default the local one)
+// and drops; while they run, DATABASE_URL points at it, so the examples
+// open os.Getenv("DATABASE_URL") as an application does.
 func TestMain(m *testing.M) {
 	u, name, err := testdb.Create("idempgx_example")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "idempgx examples: PostgreSQL is required:", err)
 		os.Exit(1)
 	}
-	databaseURL = u
+	admin, hadAdmin := os.LookupEnv("DATABASE_URL")
+	os.Setenv("DATABASE_URL", u)
 	code := m.Run()
+	if hadAdmin { // the database is dropped through the server's admin URL
+		os.Setenv("DATABASE_URL", admin)
+	} else {
+		os.Unsetenv("DATABASE_URL")
+	}
 	if err := testdb.Drop(name); err != nil {
 		fmt.Fprintln(os.Stderr, "idempgx examples: drop database:", err)
 	}
@@ -38,7 +44,7 @@ func TestMain(m *testing.M) {
 // redelivery gets the same answer without running the handler again.
 func Example() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL) // in your app: os.Getenv("DATABASE_URL")
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
@@ -91,7 +97,7 @@ func Example() {
 // back, so the sender's redelivery runs again.
 func ExampleTx() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, databaseURL)
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		panic(err)
 	}
