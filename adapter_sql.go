@@ -66,13 +66,31 @@ func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout
 	return scanRow(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
 }
 
+func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
+	res, err := t.tx.ExecContext(ctx, t.q.TakeOver, a.Source, a.EventID, a.Digest, a.Lock)
+	if err != nil {
+		return false, err
+	}
+	n, err := res.RowsAffected()
+	return n == 1, err
+}
+
 func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
-	res, err := t.tx.ExecContext(ctx, t.q.Complete, a.Source, a.EventID, status, string(headers), body)
+	return t.commitWith(ctx, driver.ErrNotStored, t.q.Complete, a.Source, a.EventID, status, string(headers), body)
+}
+
+// Complete is the lease-mode commit: the answer is stored only if token
+// still owns the key.
+func (t *sqlTx) Complete(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
+	return t.commitWith(ctx, driver.ErrFenced, t.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+}
+
+// commitWith runs the statement that stores the answer, which must change
+// one row (else the error is none), and commits.
+func (t *sqlTx) commitWith(ctx context.Context, none error, query string, args ...any) error {
+	res, err := t.tx.ExecContext(ctx, query, args...)
 	if err == nil {
-		var n int64
-		if n, err = res.RowsAffected(); err == nil && n != 1 {
-			err = fmt.Errorf("%w (%d rows)", driver.ErrNotStored, n)
-		}
+		err = oneRow(res, none)
 	}
 	if err == nil {
 		err = t.tx.Commit()
@@ -80,6 +98,51 @@ func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers,
 	if errors.Is(err, sql.ErrTxDone) {
 		err = fmt.Errorf("%w: %w", driver.ErrTxDone, err)
 	}
+	return err
+}
+
+// oneRow is nil when res changed exactly one row, else none (or the error
+// reading the count).
+func oneRow(res sql.Result, none error) error {
+	n, err := res.RowsAffected()
+	if err == nil && n != 1 {
+		err = fmt.Errorf("%w (%d rows)", none, n)
+	}
+	return err
+}
+
+func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	var l driver.Lease
+	err := d.db.QueryRowContext(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token).Scan(&l.TookOver)
+	switch {
+	case err == nil:
+		l.Won, l.Token = true, token
+		return l, nil
+	case !errors.Is(err, sql.ErrNoRows):
+		return l, err
+	}
+	l.Row, err = scanRow(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	return l, err
+}
+
+func (d *sqlDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
+	tx, err := d.db.BeginTx(ctx, d.opts)
+	if err != nil {
+		return nil, err
+	}
+	return &sqlTx{tx: tx, q: &d.q}, nil
+}
+
+func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
+	res, err := d.db.ExecContext(ctx, d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	if err != nil {
+		return err
+	}
+	return oneRow(res, driver.ErrFenced)
+}
+
+func (d *sqlDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
+	_, err := d.db.ExecContext(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
 	return err
 }
 
@@ -98,7 +161,7 @@ func scanRow(r *sql.Row, extra any) (driver.Row, error) {
 		status sql.NullInt32
 		done   sql.NullBool
 	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done}
+	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done, &c.Leased, &c.LeaseLive}
 	if extra != nil {
 		dest = append(dest, extra)
 	}

@@ -28,6 +28,10 @@ var (
 	// ErrConflict: the claim kept failing with serialization failures or
 	// deadlocks and was given up after a bounded number of tries (409).
 	ErrConflict = errors.New("idem: the claim kept failing with serialization failures or deadlocks")
+	// ErrLeaseExpired: lease mode; the handler's lease ran out and another
+	// delivery took the key over, so this run's writes and answer were
+	// rolled back (409 with Retry-After; the retry gets the stored answer).
+	ErrLeaseExpired = errors.New("idem: the lease ran out and another delivery took the key over")
 	// ErrPayloadMismatch: the key was completed for a different request body
 	// (422).
 	ErrPayloadMismatch = errors.New("idem: key reused with a different request body")
@@ -116,6 +120,9 @@ func problemFor(err error) *Problem {
 	case errors.Is(err, ErrInFlight):
 		p.Status, p.Type, p.Title = http.StatusConflict, "in-flight", "Request in progress"
 		p.Detail = "An earlier request with this key is still being processed; retry later."
+	case errors.Is(err, ErrLeaseExpired):
+		p.Status, p.Type, p.Title = http.StatusConflict, "lease-expired", "Lease expired"
+		p.Detail = "Processing took longer than this key's lease, and a later request with the same key took over; retry later."
 	case errors.Is(err, ErrConflict):
 		p.Status, p.Type, p.Title = http.StatusConflict, "conflict", "Serialization failure or deadlock"
 		p.Detail = "Claiming the key kept failing with database serialization failures or deadlocks; retry later."

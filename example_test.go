@@ -188,5 +188,5 @@ func ExampleMigrate() {
 	var cols int
 	_ = db.QueryRow(`SELECT count(*) FROM information_schema.columns WHERE table_name = 'billing_webhooks'`).Scan(&cols)
 	fmt.Println("columns:", cols)
-	// Output: columns: 8
+	// Output: columns: 10
 }

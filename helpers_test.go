@@ -214,6 +214,7 @@ func problemDoc(t testing.TB, r reply) map[string]any {
 type gate struct {
 	entered, release chan struct{}
 	taken            atomic.Bool
+	opened           sync.Once
 }
 
 func newGate() *gate { return &gate{entered: make(chan struct{}), release: make(chan struct{})} }
@@ -229,8 +230,8 @@ func (g *gate) hold() bool {
 	return true
 }
 
-// open lets the held original go on.
-func (g *gate) open() { close(g.release) }
+// open lets the held original go on; opening twice is fine.
+func (g *gate) open() { g.opened.Do(func() { close(g.release) }) }
 
 // heldLedgerHandler is the ledger handler whose first run waits at g.
 func (f *fixture) heldLedgerHandler(g *gate) http.Handler {

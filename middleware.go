@@ -108,6 +108,21 @@ type Options struct {
 	// is 503. 0 means DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
+	// Lease > 0 turns on lease mode, for handlers that make slow calls to
+	// other services: the claim commits at once as an in-progress row
+	// whose lease ends after Lease, no connection is held while the
+	// handler runs, and the transaction of Tx is begun when the handler
+	// first asks for it; it commits together with the stored answer, only
+	// if the claim still owns the key (else it rolls back and the answer
+	// is 409). A duplicate while the lease lasts gets 409; once it has run
+	// out (the original crashed), the next delivery takes the key over. A
+	// status that is not final, a panic or HandlerTimeout releases the key
+	// at once. HandlerTimeout must be shorter than Lease; when it is not
+	// set, it is four fifths of Lease (or 30s, if that is less). 0 (the
+	// default) is single-transaction mode: claim, writes and answer in one
+	// transaction.
+	Lease time.Duration
+
 	// TxOptions are passed to BeginTx for the claim transaction. nil means
 	// the database default, normally READ COMMITTED, which the claim is
 	// designed for. Under REPEATABLE READ or SERIALIZABLE, serialization
@@ -177,9 +192,13 @@ const (
 	// or deadlocks and was given up (409); nothing was committed. Unlike
 	// OutcomeInFlight, no original was seen running.
 	OutcomeConflict
+	// OutcomeFenced: lease mode; the handler's lease ran out and another
+	// delivery took the key over before it finished, so its writes and
+	// answer were rolled back (409).
+	OutcomeFenced
 )
 
-var outcomeNames = [...]string{"", "completed", "replayed", "in_flight", "mismatch", "rolled_back", "rejected", "store_error", "conflict"}
+var outcomeNames = [...]string{"", "completed", "replayed", "in_flight", "mismatch", "rolled_back", "rejected", "store_error", "conflict", "fenced"}
 
 // String returns the outcome's name in snake case, for metric labels.
 func (o Outcome) String() string {
@@ -198,6 +217,7 @@ type Observation struct {
 	Duration time.Duration // from the middleware's start until the answer is ready to send
 	Wait     time.Duration // time spent waiting for an in-flight original
 	Cached   bool          // replayed from this instance's memory, without the database
+	TookOver bool          // the key had a lease-mode claim whose lease ran out (a crashed original), and this request took it over
 	Err      error         // the cause, for every outcome but completed and replayed
 }
 
@@ -215,6 +235,7 @@ type Middleware struct {
 	replayHeaders  []string
 	retryAfter     string
 	handlerTimeout time.Duration
+	lease          time.Duration // > 0: lease mode
 	logger         *slog.Logger
 	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
 	observer       func(Observation)
@@ -252,7 +273,8 @@ func init() {
 		if !ok {
 			return nil, false
 		}
-		return s.tx, true
+		h := s.handle()
+		return h, h != nil
 	}
 }
 
@@ -301,9 +323,21 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 	switch {
 	case opts.HandlerTimeout == 0:
 		m.handlerTimeout = DefaultHandlerTimeout
+		if opts.Lease > 0 {
+			m.handlerTimeout = min(DefaultHandlerTimeout, opts.Lease*4/5)
+		}
 	case opts.HandlerTimeout < 0:
 		return nil, errors.New("idem: Options.HandlerTimeout must not be negative")
 	}
+	switch {
+	case opts.Lease < 0:
+		return nil, errors.New("idem: Options.Lease must not be negative")
+	case opts.Lease > 0 && opts.Lease < time.Millisecond:
+		return nil, errors.New("idem: Options.Lease must be at least a millisecond")
+	case opts.Lease > 0 && m.handlerTimeout >= opts.Lease:
+		return nil, fmt.Errorf("idem: Options.HandlerTimeout (%v) must be shorter than Options.Lease (%v): a live original must not outlive its lease", m.handlerTimeout, opts.Lease)
+	}
+	m.lease = opts.Lease
 	retry := opts.RetryAfter
 	switch {
 	case retry == 0:
@@ -363,6 +397,17 @@ type ctxKey struct{}
 type reqState struct {
 	tx  any // the adapter's transaction: *sql.Tx here, pgx.Tx in idempgx
 	key Key
+	// lease mode: the transaction is begun when the handler first asks.
+	lazy *lazyTx
+}
+
+// handle returns the request's transaction, beginning it in lease mode;
+// nil when it could not be begun.
+func (s *reqState) handle() any {
+	if s.lazy != nil {
+		return s.lazy.handle()
+	}
+	return s.tx
 }
 
 // Tx returns the transaction that holds the claim of the current request,
@@ -377,7 +422,7 @@ func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	if !ok {
 		return nil, false
 	}
-	tx, ok = s.tx.(*sql.Tx)
+	tx, ok = s.handle().(*sql.Tx)
 	return tx, ok
 }
 
@@ -492,12 +537,18 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	defer m.flights.leave(key)
 
+	x.args = driver.Args{Source: key.Source, EventID: key.EventID, Digest: digest[:], Lock: m.table.lockID(key)}
+	if m.lease > 0 {
+		m.serveLease(ctx, x, key, body, next)
+		return
+	}
+
 	// The transaction may first wait (LockWait) for an original on another
 	// instance, then run the handler (HandlerTimeout).
 	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
 	defer cancel()
-	x.args = driver.Args{Source: key.Source, EventID: key.EventID, Digest: digest[:], Lock: m.table.lockID(key)}
 	c := m.claim(ctx, &x.args, deadline)
+	x.obs.TookOver = c.tookOver
 	x.obs.Wait += c.waited
 	switch {
 	case c.problem != nil:
@@ -508,7 +559,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		x.replay(c.replay)
 		return
 	}
-	m.run(ctx, x, c.tx, key, body, next)
+	m.run(ctx, x, c.tx, reqState{tx: c.tx.Handle(), key: key}, body, next)
 }
 
 // replayCached answers from the replay cache, if it holds the key: the
@@ -585,11 +636,12 @@ func keyProblem(err error) *Problem {
 // claimResult is the outcome of claiming a key: exactly one of tx (we own
 // the key: run the handler), replay (a completed answer) or problem is set.
 type claimResult struct {
-	tx      driver.Tx
-	replay  *stored
-	problem *Problem
-	outcome Outcome
-	waited  time.Duration
+	tx       driver.Tx
+	replay   *stored
+	problem  *Problem
+	outcome  Outcome
+	waited   time.Duration
+	tookOver bool // the key's lease-mode claim had run out
 }
 
 // errWaitOver ends a duplicate's wait for an original still in flight when
@@ -625,19 +677,25 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 			tx, begun, err = m.waitForOriginal(ctx, tx, a, &deadline, &res.waited)
 		}
 		won, row := begun.Won, begun.Row
+		tookOver := false
 		if err == nil && !won {
-			if row.Visible {
+			switch {
+			case row.Leased && !row.LeaseLive && row.GotLock:
+				// A lease-mode claim whose lease ran out: a crashed (or
+				// frozen) original. Take the key over in this transaction.
+				won, err = tx.TakeOver(ctx, a)
+				tookOver = won
+			case row.Visible:
 				_ = tx.Rollback(ctx)
 				return m.answerStored(res, row, a.Digest)
-			}
-			{
+			default:
 				// No row, and the key's lock is this transaction's: the
 				// original rolled back. Claim the key here.
 				won, err = tx.Claim(ctx, a)
 			}
 		}
 		if err == nil && won {
-			res.tx = tx
+			res.tx, res.tookOver = tx, tookOver
 			return res
 		}
 		if tx != nil {
@@ -718,6 +776,10 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 // transaction itself), a 409: that key needs an operator.
 func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte) claimResult {
 	switch {
+	case row.Leased:
+		// A lease-mode original is running (or its lease ran out while
+		// another claim held the key's lock).
+		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
 	case !row.Completed:
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
 	case subtle.ConstantTimeCompare(row.Digest, digest) != 1:
@@ -750,9 +812,18 @@ func retryable(err error) bool {
 	return false
 }
 
-// run calls the handler inside the claim's transaction, then commits its
-// answer or rolls everything back, all within HandlerTimeout.
-func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, body []byte, next http.Handler) {
+// finisher ends a claimed request: a driver.Tx in single-transaction mode,
+// a leaseRun in lease mode.
+type finisher interface {
+	// Commit stores the answer and commits; an error means nothing was.
+	Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error
+	// Rollback rolls back whatever is open and gives up the key.
+	Rollback(ctx context.Context) error
+}
+
+// run calls the handler with state in its context, then commits its answer
+// or rolls everything back, all within HandlerTimeout.
+func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state reqState, body []byte, next http.Handler) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
 	finished := false
@@ -771,7 +842,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, 
 			rec.release()
 		}
 	}()
-	x.state = reqState{tx: tx.Handle(), key: k}
+	x.state = state
 	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &x.state))
 	x.body.Reset(body)
 	r2.Body = &x.body
@@ -822,6 +893,8 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, 
 // finishProblem names why storing the answer or committing failed.
 func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Outcome) {
 	switch {
+	case errors.Is(err, driver.ErrFenced):
+		return problemFor(fmt.Errorf("%w: %w", ErrLeaseExpired, err)), OutcomeFenced
 	case ctx.Err() != nil:
 		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
 	case errors.Is(err, driver.ErrTxDone):

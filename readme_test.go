@@ -173,7 +173,7 @@ func TestProblemTypesResolve(t *testing.T) {
 	anchors := headingAnchors(t, "docs/problems.md")
 	for _, err := range []error{
 		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
-		ErrPayloadMismatch, ErrUnavailable, ErrHandlerTimeout, ErrTxMisuse, ErrTxAborted, ErrResponseTooLarge,
+		ErrPayloadMismatch, ErrLeaseExpired, ErrUnavailable, ErrHandlerTimeout, ErrTxMisuse, ErrTxAborted, ErrResponseTooLarge,
 		errors.New("anything else"),
 	} {
 		p := problemFor(err)

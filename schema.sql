@@ -29,3 +29,10 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
 -- completion into a non-HOT update with index writes, and in this design
 -- incomplete rows are never committed, so it would index nothing useful.
 CREATE INDEX IF NOT EXISTS {{.ClaimedIndex}} ON {{.Table}} USING brin (claimed_at);
+
+-- Lease mode (Options.Lease): a claim commits at once as an in-progress row
+-- whose lease ends at lease_until, owned by lease_token, a random fencing
+-- token; the answer is stored only by the token that still owns the key.
+-- Both are NULL on every row of single-transaction mode.
+ALTER TABLE {{.Table}} ADD COLUMN IF NOT EXISTS lease_until timestamptz;
+ALTER TABLE {{.Table}} ADD COLUMN IF NOT EXISTS lease_token bigint;

@@ -232,7 +232,7 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 // scanRead reads the Read statement's row into row; no row is Visible false.
 func scanRead(r pgx.Row, row driver.Row) (driver.Row, error) {
 	var status *int32
-	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed)
+	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed, &row.Leased, &row.LeaseLive)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return row, nil
 	}
@@ -252,7 +252,7 @@ func scanRow(r pgx.Row, extra any) (driver.Row, error) {
 		c      driver.Row
 		status *int32
 	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed}
+	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed, &c.Leased, &c.LeaseLive}
 	if extra != nil {
 		dest = append(dest, extra)
 	}
@@ -342,6 +342,23 @@ func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeo
 // the handler's writes without their answer. A COMMIT that comes back as
 // ROLLBACK (a statement failed earlier) is an error.
 func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
+	if t.insertAtEnd {
+		return t.commitWith(ctx, driver.ErrNotStored, t.d.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
+	}
+	return t.commitWith(ctx, driver.ErrNotStored, t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
+}
+
+// Complete is the lease-mode commit: the answer, stored only if token still
+// owns the key (else the statement fails, and so does the COMMIT behind
+// it), and COMMIT, in one round trip.
+func (t *claimTx) Complete(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
+	return t.commitWith(ctx, driver.ErrFenced, t.d.q.CompleteLeaseOrFail, a.Source, a.EventID, status, string(headers), body, token)
+}
+
+// commitWith sends the statement that stores the answer and COMMIT in one
+// round trip; the statement fails with a division by zero when it stores
+// nothing, and the error is then none.
+func (t *claimTx) commitWith(ctx context.Context, none error, query string, args ...any) error {
 	if m := t.h.misuse; m != "" {
 		return fmt.Errorf("%w: the handler called %s on the request's transaction", driver.ErrTxDone, m)
 	}
@@ -351,11 +368,7 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 		return fmt.Errorf("%w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone)
 	}
 	var b pgx.Batch
-	if t.insertAtEnd {
-		b.Queue(t.d.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
-	} else {
-		b.Queue(t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
-	}
+	b.Queue(query, args...)
 	b.Queue("COMMIT")
 	br := t.c.SendBatch(ctx, &b)
 	_, err := br.Exec()
@@ -368,7 +381,7 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 	}
 	switch {
 	case sqlState(err) == "22012": // the division by a count of zero
-		return fmt.Errorf("%w: %w", driver.ErrNotStored, err)
+		return fmt.Errorf("%w: %w", none, err)
 	case err != nil:
 		return err
 	case tag.String() != "COMMIT":
@@ -399,6 +412,73 @@ func (t *claimTx) release() {
 	t.done = true
 	t.h.closed = true
 	t.conn.Release()
+}
+
+// TakeOver claims a key whose lease ran out: an UPDATE of its row, in the
+// open transaction or in a new one begun in the same round trip (the
+// statement takes the key's lock itself). The answer is then an UPDATE too.
+func (t *claimTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.TakeOver, a.Source, a.EventID, a.Digest, a.Lock) })
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	won := err == nil && tag.RowsAffected() == 1
+	if won {
+		t.insertAtEnd = false
+	}
+	return won, err
+}
+
+// ClaimLease claims the key in lease mode: one statement, committed on its
+// own; when it claims nothing, the lookup follows.
+func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	var l driver.Lease
+	err := d.pool.QueryRow(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token).Scan(&l.TookOver)
+	switch {
+	case err == nil:
+		l.Won, l.Token = true, token
+		return l, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return l, err
+	}
+	l.Row, err = scanRow(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	return l, err
+}
+
+// BeginLease begins a lease-mode handler's transaction on a connection held
+// until Complete or Rollback.
+func (d *pgxDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
+	conn, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	br, err := t.send(ctx, func(*pgx.Batch) {})
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		_ = t.Rollback(ctx)
+		return nil, err
+	}
+	return t, nil
+}
+
+func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
+	tag, err := d.pool.Exec(ctx, d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	if err == nil && tag.RowsAffected() != 1 {
+		err = fmt.Errorf("%w (%d rows)", driver.ErrFenced, tag.RowsAffected())
+	}
+	return err
+}
+
+func (d *pgxDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
+	_, err := d.pool.Exec(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
+	return err
 }
 
 // sqlState returns the SQLSTATE of a PostgreSQL error, or "".

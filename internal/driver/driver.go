@@ -34,7 +34,33 @@ type Row struct {
 	Status    int
 	Headers   []byte // the stored headers' JSON
 	Body      []byte
+	Leased    bool // an in-progress row of lease mode (not completed)
+	LeaseLive bool // and its lease has not run out
 }
+
+// Lease is what a lease-mode claim found: Won with the claim's fencing
+// Token (TookOver when it took over a key whose lease had run out);
+// otherwise Row, read by a statement after the claim's.
+type Lease struct {
+	Won, TookOver bool
+	Token         int64
+	Row           Row
+}
+
+// LeaseTx is the transaction a lease-mode handler writes through, begun
+// when it first asks for it.
+type LeaseTx interface {
+	// Complete stores the answer, only if token still owns the key, and
+	// commits; ErrFenced when it does not. An error means nothing was
+	// committed; the caller then calls Rollback.
+	Complete(ctx context.Context, a *Args, token int64, status int, headers, body []byte) error
+	Rollback(ctx context.Context) error
+	Handle() any
+}
+
+// ErrFenced is the error of a lease-mode completion whose token no longer
+// owns the key: its lease ran out and another delivery took the key over.
+var ErrFenced = errors.New("the key's lease ran out and another delivery took it over")
 
 // Begun is what Driver.Begin found: Won when the claim inserted the key;
 // otherwise Row, read by a statement after the claim's.
@@ -51,12 +77,30 @@ type Driver interface {
 	Begin(ctx context.Context, a *Args) (Tx, Begun, error)
 	// PoolCap is the connection pool's cap, 0 for none.
 	PoolCap() int
+
+	// ClaimLease claims the key in lease mode, in a statement that commits
+	// on its own: as in progress, until now + lease, with token; or takes
+	// over a key whose lease has run out. When it claims nothing, a second
+	// statement reads the key's row and lock.
+	ClaimLease(ctx context.Context, a *Args, lease time.Duration, token int64) (Lease, error)
+	// BeginLease begins the transaction of a lease-mode handler.
+	BeginLease(ctx context.Context) (LeaseTx, error)
+	// CompleteLease stores the answer of a lease-mode handler that wrote
+	// nothing, in a statement that commits on its own, only if token still
+	// owns the key; ErrFenced when it does not.
+	CompleteLease(ctx context.Context, a *Args, token int64, status int, headers, body []byte) error
+	// ReleaseLease deletes the in-progress row that token owns, so that the
+	// next delivery runs at once.
+	ReleaseLease(ctx context.Context, a *Args, token int64) error
 }
 
 // Tx is a claim's transaction.
 type Tx interface {
 	// Claim claims the key in this transaction, which holds its lock.
 	Claim(ctx context.Context, a *Args) (bool, error)
+	// TakeOver claims, in this transaction, a key whose lease-mode row has
+	// a lease that ran out. False when the row changed meanwhile.
+	TakeOver(ctx context.Context, a *Args) (bool, error)
 	// Wait waits at most d for the key's lock, with lock_timeout set for
 	// this transaction, and returns lock_timeout's value from before.
 	Wait(ctx context.Context, lock int64, d time.Duration) (string, error)
@@ -99,12 +143,21 @@ type Queries struct {
 	// CompleteOrFail is Complete that fails (division by zero) when it
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
+	// Lease mode: the claim, the fenced completion (and its failing form,
+	// for a pipelined COMMIT), the release; TakeOver is the
+	// single-transaction claim of a key whose lease ran out.
+	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, TakeOver string
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
 // "schema"."name" or "name").
 func NewQueries(quoted string) Queries {
 	q := quoted
+	// The fenced completion of lease mode: only the token that owns the
+	// key stores its answer.
+	completeLease := `UPDATE ` + q + `
+SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now(), lease_until = NULL
+WHERE source = $1 AND event_id = $2 AND lease_token = $6 AND completed_at IS NULL`
 	complete := `UPDATE ` + q + `
 SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
 WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
@@ -127,7 +180,7 @@ RETURNING true`,
 		// snapshot (at READ COMMITTED), so it sees a row that committed
 		// while the claim ran or waited.
 		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL
+       r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
 
@@ -135,7 +188,8 @@ LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
 		// lock_timeout it had before: the claim may go on to run the
 		// handler in this transaction.
 		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, set_config('lock_timeout', $4, true)
+       r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false),
+       set_config('lock_timeout', $4, true)
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
 
@@ -150,14 +204,42 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 		Complete: complete,
 
 		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
-		Read: `SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL
-FROM ` + q + ` WHERE source = $1 AND event_id = $2`,
+		Read: `SELECT r.payload_digest, r.response_status, r.response_headers, r.response_body, r.completed_at IS NOT NULL,
+       r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
+FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2`,
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,
 
 		CompleteOrFail: `WITH u AS (` + complete + `
 RETURNING 1)
 SELECT 1 / (SELECT count(*)::int FROM u)`,
+
+		// The lease-mode claim commits on its own (one statement, one
+		// round trip), gated on the key's lock as the claim is: a new key
+		// is inserted in progress, and a key whose lease ran out is taken
+		// over with a new token, which fences the original out. ON
+		// CONFLICT re-reads the latest row, so two deliveries after the
+		// lease ran out cannot both take it over. xmax is 0 for a row this
+		// statement inserted, not updated.
+		ClaimLease: `INSERT INTO ` + q + ` AS r (source, event_id, payload_digest, lease_until, lease_token)
+SELECT $1, $2, $3, now() + $5 * interval '1 microsecond', $6 WHERE pg_try_advisory_xact_lock($4)
+ON CONFLICT (source, event_id) DO UPDATE
+SET payload_digest = excluded.payload_digest, lease_until = excluded.lease_until,
+    lease_token = excluded.lease_token, claimed_at = now()
+WHERE r.completed_at IS NULL AND r.lease_until < now()
+RETURNING r.xmax <> 0`,
+		CompleteLease: completeLease,
+		CompleteLeaseOrFail: `WITH u AS (` + completeLease + `
+RETURNING 1)
+SELECT 1 / (SELECT count(*)::int FROM u)`,
+		ReleaseLease: `DELETE FROM ` + q + `
+WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
+		// A single-transaction claim of a key whose lease ran out: the row
+		// becomes this transaction's claim, and the old token is gone.
+		TakeOver: `UPDATE ` + q + `
+SET payload_digest = $3, lease_until = NULL, lease_token = NULL, claimed_at = now()
+WHERE source = $1 AND event_id = $2 AND completed_at IS NULL AND lease_until < now()
+  AND pg_try_advisory_xact_lock($4)`,
 	}
 }
 

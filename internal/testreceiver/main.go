@@ -3,10 +3,13 @@
 // each event to a ledger table inside idem's transaction and answers with
 // the ledger row's id.
 //
-//	testreceiver -database-url URL -table T -ledger L [-addr 127.0.0.1:0] [-adapter sql|pgx]
+//	testreceiver -database-url URL -table T -ledger L [-addr 127.0.0.1:0] [-adapter sql|pgx] [-lease D]
 //
 // -adapter pgx serves through idempgx on a pgx pool (default: the
-// IDEM_ADAPTER environment variable, else database/sql).
+// IDEM_ADAPTER environment variable, else database/sql). -lease turns on
+// lease mode. A request with the header X-Hold: 1 writes its ledger row,
+// prints "held <event id>" on standard output, and then waits until its
+// context ends before it answers, as a handler stuck in a slow call does.
 //
 // It prints the address it listens on as the first line of its standard
 // output, logs to standard error, and shuts down gracefully on SIGTERM or
@@ -52,6 +55,7 @@ func run() error {
 	maxConns := flag.Int("max-conns", 4, "most open database connections")
 	lockWait := flag.Duration("lock-wait", idem.DefaultLockWait, "idem LockWait")
 	adapter := flag.String("adapter", os.Getenv("IDEM_ADAPTER"), "sql (database/sql, the default) or pgx (idempgx)")
+	lease := flag.Duration("lease", 0, "idem Lease (0: single-transaction mode)")
 	flag.Parse()
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
@@ -70,6 +74,7 @@ func run() error {
 		KeyFunc:  idem.Header("test", "X-Event-Id"),
 		Table:    *table,
 		LockWait: *lockWait,
+		Lease:    *lease,
 		Logger:   logger,
 	}
 	var mw *idem.Middleware
@@ -115,6 +120,10 @@ func run() error {
 		if err := row.Scan(&id); err != nil {
 			http.Error(w, "ledger write failed", http.StatusInternalServerError)
 			return
+		}
+		if r.Header.Get("X-Hold") != "" {
+			fmt.Println("held", key.EventID)
+			<-r.Context().Done()
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)

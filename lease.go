@@ -1,0 +1,161 @@
+package idem
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// releaseTimeout bounds the statement that releases a key after the
+// request's own deadline has passed.
+const releaseTimeout = 5 * time.Second
+
+// serveLease claims the key in lease mode and runs the handler without a
+// transaction held, beginning one only when the handler asks for it.
+func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key, body []byte, next http.Handler) {
+	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
+	defer cancel()
+	l, p, o := m.claimLease(ctx, &x.args)
+	if p != nil {
+		x.fail(o, p)
+		return
+	}
+	if l.replay != nil {
+		m.cache.put(key, l.replay, x.start)
+		x.replay(l.replay)
+		return
+	}
+	x.obs.TookOver = l.TookOver
+	run := &leaseRun{m: m, a: &x.args, token: l.Token}
+	run.lazy.begin = func() (driver.LeaseTx, error) { return m.drv.BeginLease(ctx) }
+	m.run(ctx, x, run, reqState{key: key, lazy: &run.lazy}, body, next)
+}
+
+// leaseClaim is the outcome of a lease-mode claim: won (Token), or a
+// replay.
+type leaseClaim struct {
+	driver.Lease
+	replay *stored
+}
+
+// claimLease claims the key in lease mode. Not won: a completed key is
+// replayed (or 422); a key in progress, live, or held by another claim at
+// that moment, is answered 409 at once, without waiting.
+func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim, *Problem, Outcome) {
+	var lastErr error
+	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
+		l, err := m.drv.ClaimLease(ctx, a, m.lease, newToken())
+		switch {
+		case retryable(err):
+			lastErr = err
+			continue
+		case err != nil:
+			return leaseClaim{}, problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
+		case l.Won:
+			return leaseClaim{Lease: l}, nil, 0
+		}
+		row := l.Row
+		switch {
+		case row.Visible && !(row.Leased && !row.LeaseLive):
+			res := m.answerStored(claimResult{}, row, a.Digest)
+			return leaseClaim{replay: res.replay}, res.problem, res.outcome
+		case !row.GotLock:
+			// Another claim holds the key's lock: a single-transaction
+			// original in flight, or another delivery claiming it now.
+			return leaseClaim{}, problemFor(ErrInFlight), OutcomeInFlight
+		}
+		// No row, or a lease that ran out since the claim looked: the key
+		// changed between the two statements. Claim again.
+		lastErr = errors.New("idem: the key changed between the lease claim and its lookup")
+	}
+	return leaseClaim{}, problemFor(fmt.Errorf("%w: %d attempts: %w", ErrConflict, maxClaimAttempts, lastErr)), OutcomeConflict
+}
+
+// newToken returns a random fencing token: each claim of a key gets its
+// own, so a claim that lost the key can never store an answer for it.
+func newToken() int64 {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return int64(binary.BigEndian.Uint64(b[:]) >> 1)
+}
+
+// leaseRun ends a lease-mode request: the fenced completion, or the
+// release of the key.
+type leaseRun struct {
+	m     *Middleware
+	a     *driver.Args
+	token int64
+	lazy  lazyTx
+}
+
+// Commit stores the answer, fenced by the token, in the handler's
+// transaction if it began one (which commits with it), or on its own.
+func (r *leaseRun) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
+	tx, err := r.lazy.close()
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: beginning the handler's transaction: %w", ErrUnavailable, err)
+	case tx != nil:
+		return tx.Complete(ctx, a, r.token, status, headers, body)
+	}
+	return r.m.drv.CompleteLease(ctx, a, r.token, status, headers, body)
+}
+
+// Rollback rolls back the handler's transaction, if it began one, and
+// releases the key (if the token still owns it and it is not completed),
+// so that the next delivery runs at once.
+func (r *leaseRun) Rollback(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	var errs []error
+	if tx, _ := r.lazy.close(); tx != nil {
+		errs = append(errs, tx.Rollback(ctx))
+	}
+	if err := r.m.drv.ReleaseLease(ctx, r.a, r.token); err != nil {
+		errs = append(errs, err)
+		r.m.logr().LogAttrs(ctx, slog.LevelWarn, "idem: releasing a lease failed; the key's next delivery waits for the lease to run out",
+			slog.String("source", r.a.Source), slog.String("event_id", r.a.EventID), slog.Any("error", err))
+	}
+	return errors.Join(errs...)
+}
+
+// lazyTx is the handler's transaction in lease mode, begun when the
+// handler first asks for it.
+type lazyTx struct {
+	mu     sync.Mutex
+	begin  func() (driver.LeaseTx, error)
+	tx     driver.LeaseTx
+	err    error
+	closed bool // the handler returned: no more beginning
+}
+
+// handle begins the transaction on first use and returns the handler's
+// handle to it, or nil if it could not be begun.
+func (l *lazyTx) handle() any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.tx == nil && l.err == nil && !l.closed {
+		l.tx, l.err = l.begin()
+	}
+	if l.tx == nil {
+		return nil
+	}
+	return l.tx.Handle()
+}
+
+// close ends beginning, and returns the transaction (nil if none was
+// begun) or the error beginning it.
+func (l *lazyTx) close() (driver.LeaseTx, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.closed = true
+	return l.tx, l.err
+}

@@ -1,0 +1,328 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// leaseRow reads the key's lease columns: whether it is in progress, and
+// whether its lease still runs.
+func (f *fixture) leaseRow(source, id string) (inProgress, live bool) {
+	f.t.Helper()
+	err := f.db.QueryRow(`SELECT completed_at IS NULL AND lease_until IS NOT NULL, coalesce(lease_until > now(), false)
+		FROM "`+f.table+`" WHERE source = $1 AND event_id = $2`, source, id).Scan(&inProgress, &live)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, false
+	}
+	require.NoError(f.t, err)
+	return inProgress, live
+}
+
+// expireLease ends the key's lease now, as if its time had run out.
+func (f *fixture) expireLease(id string) {
+	f.t.Helper()
+	res, err := f.db.Exec(`UPDATE "`+f.table+`" SET lease_until = now() - interval '1 second'
+		WHERE source = 'test' AND event_id = $1 AND completed_at IS NULL AND lease_until IS NOT NULL`, id)
+	require.NoError(f.t, err)
+	n, err := res.RowsAffected()
+	require.NoError(f.t, err)
+	require.Equal(f.t, int64(1), n, "no lease to expire for %s", id)
+}
+
+// A new event in lease mode: the claim commits first, the handler's writes
+// and the answer commit together afterwards; duplicates replay it, another
+// body gets 422, as in single-transaction mode.
+func TestLeaseModeCompletesAndReplays(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{Lease: 10 * time.Second}, nil)
+	first := f.post("evt_1", `{"n":1}`)
+	require.Equal(t, http.StatusCreated, first.status, "%s", first.body)
+	again := f.post("evt_1", `{"n":1}`)
+	assert.Equal(t, first.body, again.body)
+	assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, http.StatusUnprocessableEntity, f.post("evt_1", `{"n":2}`).status)
+	assert.Equal(t, 1, f.ledgerRows())
+	inProgress, _ := f.leaseRow("test", "evt_1")
+	assert.False(t, inProgress, "completed: the lease is cleared")
+
+	// A handler that never asks for the transaction: its answer is stored
+	// on its own.
+	g := newFixture(t, idem.Options{Lease: 10 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusAccepted)
+		_, _ = w.Write([]byte("queued elsewhere"))
+	}))
+	a := g.post("evt_2", "{}")
+	b := g.post("evt_2", "{}")
+	assert.Equal(t, http.StatusAccepted, a.status)
+	assert.Equal(t, a.body, b.body)
+	assert.Equal(t, "true", b.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, int64(1), g.runs.Load())
+}
+
+// New refuses a HandlerTimeout that is not shorter than the Lease, and
+// picks one that is when none is given.
+func TestLeaseOptions(t *testing.T) {
+	db := idem.OpenTestDB(t)
+	kf := idem.Header("test", "X-Event-Id")
+	_, err := idem.New(db, idem.Options{KeyFunc: kf, Lease: time.Second, HandlerTimeout: time.Second})
+	assert.ErrorContains(t, err, "HandlerTimeout")
+	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: -time.Second})
+	assert.Error(t, err)
+	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: 5 * time.Second})
+	assert.NoError(t, err, "the default HandlerTimeout is shorter than the lease")
+}
+
+// Twelve handlers whose slow external call takes 1.2 s run at once on a
+// pool of two connections: no connection is held while they call.
+func TestLeaseHoldsNoConnectionDuringTheCall(t *testing.T) {
+	t.Parallel()
+	const calls = 12
+	pool := openPool(t, "", 2)
+	var inside, peak atomic.Int64
+	all := make(chan struct{})
+	var once sync.Once
+	var f *fixture
+	f = newFixtureOn(t, pool, idem.Options{Lease: 20 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := inside.Add(1)
+		for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+		}
+		if n == calls {
+			once.Do(func() { close(all) })
+		}
+		select { // every call is under way at once, or the test fails
+		case <-all:
+		case <-time.After(10 * time.Second):
+		}
+		time.Sleep(1200 * time.Millisecond) // the external call
+		inside.Add(-1)
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	var wg sync.WaitGroup
+	statuses := make([]int, calls)
+	for i := range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := newSender(t).post(f.srv.URL, "evt_"+string(rune('a'+i)), "{}")
+			if assert.NoError(t, err) {
+				statuses[i] = r.status
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Equal(t, int64(calls), peak.Load(), "all calls overlapped")
+	for i, s := range statuses {
+		assert.Equal(t, http.StatusCreated, s, "call %d", i)
+	}
+	assert.Equal(t, calls, f.ledgerRows())
+	assert.Equal(t, calls, f.keys())
+}
+
+// A duplicate while the lease lasts is answered 409 with Retry-After at
+// once, from another instance, holding no connection; a status that is
+// not final, a panic or HandlerTimeout releases the key at once, so the
+// redelivery runs without waiting for the lease.
+func TestLeaseDuplicatesAndReleases(t *testing.T) {
+	t.Parallel()
+	g := newGate()
+	var mode atomic.Value // what the first run does
+	var f *fixture
+	f = newFixture(t, idem.Options{Lease: 4 * time.Second, HandlerTimeout: time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch mode.Load() {
+		case "hold":
+			g.hold()
+			mode.Store("")
+		case "503":
+			mode.Store("")
+			http.Error(w, "try later", http.StatusServiceUnavailable)
+			return
+		case "panic":
+			mode.Store("")
+			panic("boom")
+		case "timeout":
+			mode.Store("")
+			<-r.Context().Done()
+			return
+		}
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	_, otherSrv := f.serveOn(f.db, idem.Options{Lease: 4 * time.Second, HandlerTimeout: time.Second})
+	s := newSender(t)
+
+	mode.Store("hold")
+	t.Cleanup(g.open)
+	orig := f.startOriginal(g, "evt_live", "{}")
+	inProgress, live := f.leaseRow("test", "evt_live")
+	assert.True(t, inProgress && live, "the claim committed before the handler finished")
+	dup, err := s.post(otherSrv.URL, "evt_live", "{}")
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusConflict, dup.status)
+	assert.Equal(t, "1", dup.header.Get("Retry-After"))
+	g.open()
+	assert.Equal(t, http.StatusCreated, (<-orig).status)
+
+	// On the other instance, whose server recovers panics as a router does.
+	for _, m := range []string{"503", "panic", "timeout"} {
+		mode.Store(m)
+		id := "evt_" + m
+		first, err := s.post(otherSrv.URL, id, "{}")
+		require.NoError(t, err)
+		assert.NotEqual(t, http.StatusCreated, first.status, m)
+		inProgress, _ := f.leaseRow("test", id)
+		assert.False(t, inProgress, "%s: the key is released", m)
+		again, err := s.post(otherSrv.URL, id, "{}")
+		require.NoError(t, err)
+		assert.Equal(t, http.StatusCreated, again.status, "%s: the redelivery runs at once: %s", m, again.body)
+	}
+	assert.Equal(t, 4, f.ledgerRows())
+}
+
+// An original whose lease ran out is fenced: the delivery that took the key
+// over stores its answer, and the original's writes and answer roll back;
+// its client gets 409, never a 2xx that differs from the stored one.
+func TestLeaseFencesALateOriginal(t *testing.T) {
+	t.Parallel()
+	g := newGate()
+	var f *fixture
+	f = newFixture(t, idem.Options{Lease: 20 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, ok := txFrom(r.Context())
+		assert.True(t, ok)
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_z', 'original')`)
+		assert.NoError(t, err)
+		g.hold()
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte("answer of the run on " + r.Host))
+	}))
+	t.Cleanup(g.open)
+	var tookOver atomic.Int64
+	_, otherSrv := f.serveOn(f.db, idem.Options{Lease: 20 * time.Second, Observer: func(o idem.Observation) {
+		if o.TookOver {
+			tookOver.Add(1)
+		}
+	}})
+	orig := f.startOriginal(g, "evt_z", "{}")
+	f.expireLease("evt_z")
+	// The delivery that takes over comes to another instance: on the
+	// original's own, it would wait in memory for the original.
+	takeover, err := newSender(t).post(otherSrv.URL, "evt_z", "{}")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, takeover.status, "%s", takeover.body)
+	g.open()
+	late := <-orig
+	assert.Equal(t, http.StatusConflict, late.status, "%s", late.body)
+	assert.Contains(t, problemDoc(t, late)["type"], "#lease-expired")
+	assert.Equal(t, 1, f.ledgerRows(), "the original's write rolled back")
+	replay := f.post("evt_z", "{}")
+	assert.Equal(t, takeover.body, replay.body)
+	var fenced int
+	for _, o := range f.observations() {
+		if o.Outcome == idem.OutcomeFenced {
+			fenced++
+			assert.ErrorIs(t, o.Err, idem.ErrLeaseExpired)
+		}
+	}
+	assert.Equal(t, 1, fenced, "the original's instance saw its completion fenced")
+	assert.Equal(t, int64(1), tookOver.Load(), "the other instance saw its takeover")
+}
+
+// Single-transaction and lease-mode instances share one table: a
+// single-transaction delivery that meets a live lease answers 409; once the
+// lease has run out it takes the key over, and the lease's original is
+// fenced.
+func TestSingleTransactionModeMeetsLeases(t *testing.T) {
+	t.Parallel()
+	g := newGate()
+	var f *fixture
+	f = newFixture(t, idem.Options{Lease: 20 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		f.heldLedgerHandler(g).ServeHTTP(w, r)
+	}))
+	_, single := f.serveOn(f.db, idem.Options{LockWait: -1})
+	t.Cleanup(g.open)
+	orig := f.startOriginal(g, "evt_m", "{}")
+	s := newSender(t)
+	r, err := s.post(single.URL, "evt_m", "{}")
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusConflict, r.status, "a live lease: in flight")
+
+	f.expireLease("evt_m")
+	r, err = s.post(single.URL, "evt_m", "{}")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, r.status, "an expired lease is taken over: %s", r.body)
+	g.open()
+	assert.Equal(t, http.StatusConflict, (<-orig).status, "the lease's original is fenced")
+	assert.Equal(t, 1, f.ledgerRows())
+	again := f.post("evt_m", "{}")
+	assert.Equal(t, r.body, again.body)
+}
+
+// Migrate adds the lease columns to a table made before lease mode, in
+// place, keeping its rows; lease mode then works on it.
+func TestMigrateAddsLeaseColumnsInPlace(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	const old = "idem_before_leases"
+	_, err := db.Exec(`CREATE TABLE ` + old + ` (
+		source text NOT NULL, event_id text NOT NULL, payload_digest bytea NOT NULL,
+		response_status smallint, response_headers jsonb, response_body bytea,
+		claimed_at timestamptz NOT NULL DEFAULT now(), completed_at timestamptz,
+		PRIMARY KEY (source, event_id))`)
+	require.NoError(t, err)
+	_, err = db.Exec(`INSERT INTO ` + old + ` VALUES ('test', 'evt_old', '\x00', 200, '{}', 'kept', now(), now())`)
+	require.NoError(t, err)
+	require.NoError(t, idem.Migrate(context.Background(), db, old))
+	var cols, rows int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM information_schema.columns
+		WHERE table_name = $1 AND column_name IN ('lease_until', 'lease_token')`, old).Scan(&cols))
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+old+` WHERE response_body = 'kept'`).Scan(&rows))
+	assert.Equal(t, 2, cols)
+	assert.Equal(t, 1, rows)
+}
+
+// The fence is the token, not the answer: an original whose lease ran out
+// is fenced even while the delivery that took over is still running, and
+// the takeover then stores its own answer.
+func TestLeaseFenceHoldsWhileTheTakeoverRuns(t *testing.T) {
+	t.Parallel()
+	first, second := newGate(), newGate()
+	t.Cleanup(first.open)
+	t.Cleanup(second.open)
+	var runs atomic.Int64
+	var f *fixture
+	f = newFixture(t, idem.Options{Lease: 20 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch runs.Add(1) {
+		case 1:
+			first.hold()
+		case 2:
+			second.hold()
+		}
+		f.ledgerHandler().ServeHTTP(w, r)
+	}))
+	_, otherSrv := f.serveOn(f.db, idem.Options{Lease: 20 * time.Second})
+	orig := f.startOriginal(first, "evt_f", "{}")
+	f.expireLease("evt_f")
+	takeover := make(chan reply, 1)
+	go func() {
+		r, err := newSender(t).post(otherSrv.URL, "evt_f", "{}")
+		assert.NoError(t, err)
+		takeover <- r
+	}()
+	<-second.entered
+	first.open()
+	late := <-orig
+	assert.Equal(t, http.StatusConflict, late.status, "fenced while the takeover runs: %s", late.body)
+	second.open()
+	won := <-takeover
+	require.Equal(t, http.StatusCreated, won.status, "%s", won.body)
+	assert.Equal(t, 1, f.ledgerRows())
+	assert.Equal(t, won.body, f.post("evt_f", "{}").body)
+}
