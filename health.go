@@ -63,7 +63,8 @@ type Finding struct {
 	Severity Severity
 	// Check names the assertion, stable for alert routing:
 	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
-	// "claims_not_visible", "keys_younger_than_horizon", "overdue_keys".
+	// "expired_leases", "claims_not_visible", "keys_younger_than_horizon",
+	// "overdue_keys".
 	Check string
 	// What happened, with the numbers.
 	What string
@@ -137,10 +138,19 @@ type Report struct {
 	// OverdueRows are keys older than Retention plus OverdueGrace.
 	OverdueRows int64
 
-	// Unanswered counts committed keys without an answer; UnansweredKeys
-	// lists the oldest 20.
+	// Unanswered counts committed keys without an answer that are not
+	// lease-mode claims; UnansweredKeys lists the oldest 20.
 	Unanswered     int64
 	UnansweredKeys []UnansweredKey
+
+	// Lease mode: LiveLeases counts keys in progress whose lease still
+	// runs (handlers at work); ExpiredLeases those whose lease ran out
+	// without an answer: originals that crashed or were killed, which the
+	// next delivery of each key takes over. ExpiredLeaseKeys lists the
+	// oldest 20.
+	LiveLeases       int64
+	ExpiredLeases    int64
+	ExpiredLeaseKeys []UnansweredKey
 
 	// InFlight counts the claims in flight (open claim transactions);
 	// Stuck lists the oldest 20 of those open for longer than StuckAfter,
@@ -208,11 +218,13 @@ func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) 
 		var oldest sql.NullTime
 		err := tx.QueryRowContext(ctx, `SELECT now(), count(*), min(claimed_at),
        count(*) FILTER (WHERE claimed_at < now() - $1::bigint * interval '1 microsecond'),
-       count(*) FILTER (WHERE completed_at IS NULL),
+       count(*) FILTER (WHERE completed_at IS NULL AND lease_until IS NULL),
+       count(*) FILTER (WHERE completed_at IS NULL AND lease_until >= now()),
+       count(*) FILTER (WHERE completed_at IS NULL AND lease_until < now()),
        pg_total_relation_size(to_regclass($2)),
        coalesce(pg_stat_get_tuples_deleted(to_regclass($2)), 0)
 FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted).
-			Scan(&r.CheckedAt, &r.Rows, &oldest, &r.OverdueRows, &r.Unanswered, &r.TableBytes, &r.Deleted)
+			Scan(&r.CheckedAt, &r.Rows, &oldest, &r.OverdueRows, &r.Unanswered, &r.LiveLeases, &r.ExpiredLeases, &r.TableBytes, &r.Deleted)
 		if err != nil {
 			return err
 		}
@@ -221,7 +233,12 @@ FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted).
 			r.OldestAge = r.CheckedAt.Sub(oldest.Time)
 		}
 		if r.Unanswered > 0 {
-			if r.UnansweredKeys, err = unansweredKeys(ctx, tx, t); err != nil {
+			if r.UnansweredKeys, err = listKeys(ctx, tx, t, "lease_until IS NULL"); err != nil {
+				return err
+			}
+		}
+		if r.ExpiredLeases > 0 {
+			if r.ExpiredLeaseKeys, err = listKeys(ctx, tx, t, "lease_until < now()"); err != nil {
 				return err
 			}
 		}
@@ -269,6 +286,12 @@ func findings(r *Report) []Finding {
 		add(SeverityCritical, "unanswered_keys",
 			fmt.Sprintf("%d key(s) were committed without an answer (the oldest: %s, claimed %s); each answers 409 to every redelivery until it is resolved (or swept, once older than the retention)", r.Unanswered, describeKeys(r.UnansweredKeys), r.UnansweredKeys[0].ClaimedAt.UTC().Format(time.RFC3339)),
 			"A handler committed or rolled back the middleware's transaction itself (look for ErrTxMisuse in the logs) and must be fixed. Then, per key: if its side effect happened, store an answer (UPDATE ... SET response_status = 200, response_body = '', completed_at = now() WHERE source = ... AND event_id = ...); if not, DELETE the row so the next delivery runs the handler.")
+	}
+	if r.ExpiredLeases > 0 {
+		k := r.ExpiredLeaseKeys[0]
+		add(SeverityWarning, "expired_leases",
+			fmt.Sprintf("%d lease-mode key(s) have a lease that ran out without an answer (the oldest: %s, claimed %s): their original crashed or was killed mid-handler; the next delivery of each takes it over and runs the handler again", r.ExpiredLeases, describeKeys(r.ExpiredLeaseKeys), k.ClaimedAt.UTC().Format(time.RFC3339)),
+			"Find why the instance died (its logs, OOM kills, deploys without graceful shutdown). Nothing else is needed when the sender retries; if it has given up, ask it to resend the event, or DELETE the row so a manual replay runs the handler.")
 	}
 	if n := len(r.Stuck); n > 0 {
 		c := r.Stuck[0]
@@ -327,9 +350,10 @@ func tableExists(ctx context.Context, tx *sql.Tx, t table) error {
 	return nil
 }
 
-func unansweredKeys(ctx context.Context, tx *sql.Tx, t table) ([]UnansweredKey, error) {
+// listKeys lists the oldest keys without an answer that match cond.
+func listKeys(ctx context.Context, tx *sql.Tx, t table, cond string) ([]UnansweredKey, error) {
 	rows, err := tx.QueryContext(ctx, `SELECT source, event_id, claimed_at FROM `+t.quoted+`
-WHERE completed_at IS NULL ORDER BY claimed_at LIMIT `+strconv.Itoa(maxListed))
+WHERE completed_at IS NULL AND `+cond+` ORDER BY claimed_at LIMIT `+strconv.Itoa(maxListed))
 	if err != nil {
 		return nil, err
 	}
@@ -405,6 +429,7 @@ type SourceStats struct {
 	Source     string
 	Completed  int64     // keys with a stored answer
 	Unanswered int64     // keys committed without an answer (see Check)
+	Leases     int64     // lease-mode keys in progress, live or expired
 	Oldest     time.Time // claimed_at of its oldest key
 	Newest     time.Time // claimed_at of its newest key
 }
@@ -415,6 +440,9 @@ type TableStats struct {
 	Rows       int64 // committed keys
 	Completed  int64
 	Unanswered int64
+	// Lease mode: keys in progress whose lease still runs, and those whose
+	// lease ran out without an answer (crashed originals; see Check).
+	LiveLeases, ExpiredLeases int64
 	// InFlight counts the claims in flight: their keys are uncommitted
 	// and invisible, so they are counted by session, not by source.
 	InFlight   int
@@ -451,13 +479,16 @@ func Stats(ctx context.Context, db *sql.DB, opts StatsOptions) (*TableStats, err
 		// them (total = true, with the number of sources).
 		rows, err := tx.QueryContext(ctx, `WITH s AS (
     SELECT source, count(*) FILTER (WHERE completed_at IS NOT NULL) AS done,
-           count(*) FILTER (WHERE completed_at IS NULL) AS open,
+           count(*) FILTER (WHERE completed_at IS NULL AND lease_until IS NULL) AS open,
+           count(*) FILTER (WHERE completed_at IS NULL AND lease_until >= now()) AS live,
+           count(*) FILTER (WHERE completed_at IS NULL AND lease_until < now()) AS expired,
            min(claimed_at) AS oldest, max(claimed_at) AS newest
     FROM `+t.quoted+` GROUP BY source),
-top AS (SELECT * FROM s ORDER BY done + open DESC, source LIMIT $1)
-SELECT false, source, done, open, oldest, newest, 0 FROM top
+top AS (SELECT * FROM s ORDER BY done + open + live + expired DESC, source LIMIT $1)
+SELECT false, source, done, open, live, expired, oldest, newest, 0 FROM top
 UNION ALL
-SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint, min(oldest), max(newest), count(*) FROM s`, limit)
+SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint, coalesce(sum(live), 0)::bigint,
+       coalesce(sum(expired), 0)::bigint, min(oldest), max(newest), count(*) FROM s`, limit)
 		if err != nil {
 			return err
 		}
@@ -466,20 +497,22 @@ SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint,
 			var (
 				total          bool
 				src            SourceStats
+				live, expired  int64
 				oldest, newest sql.NullTime
 				sources        int
 			)
-			if err := rows.Scan(&total, &src.Source, &src.Completed, &src.Unanswered, &oldest, &newest, &sources); err != nil {
+			if err := rows.Scan(&total, &src.Source, &src.Completed, &src.Unanswered, &live, &expired, &oldest, &newest, &sources); err != nil {
 				return err
 			}
 			src.Oldest, src.Newest = oldest.Time, newest.Time
+			src.Leases = live + expired
 			if !total {
 				s.Sources = append(s.Sources, src)
 				continue
 			}
 			s.OtherSources = sources
-			s.Completed, s.Unanswered = src.Completed, src.Unanswered
-			s.Rows = s.Completed + s.Unanswered
+			s.Completed, s.Unanswered, s.LiveLeases, s.ExpiredLeases = src.Completed, src.Unanswered, live, expired
+			s.Rows = s.Completed + s.Unanswered + live + expired
 			s.Oldest, s.Newest = src.Oldest, src.Newest
 		}
 		if err := rows.Err(); err != nil {
@@ -488,7 +521,7 @@ SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint,
 		s.OtherSources -= len(s.Sources)
 		sort.Slice(s.Sources, func(i, j int) bool {
 			a, b := s.Sources[i], s.Sources[j]
-			if n, m := a.Completed+a.Unanswered, b.Completed+b.Unanswered; n != m {
+			if n, m := a.Completed+a.Unanswered+a.Leases, b.Completed+b.Unanswered+b.Leases; n != m {
 				return n > m
 			}
 			return a.Source < b.Source

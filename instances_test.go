@@ -42,16 +42,7 @@ func startReceivers(t *testing.T, bin string, n int, args ...string) []*receiver
 	recv := make([]*receiver, n)
 	lines := make([]*bufio.Reader, n)
 	for i := range recv {
-		r := &receiver{cmd: exec.Command(bin, append([]string{"-addr", "127.0.0.1:0"}, args...)...), stderr: &logBuffer{}}
-		r.cmd.Stderr = r.stderr
-		stdout, err := r.cmd.StdoutPipe()
-		require.NoError(t, err)
-		require.NoError(t, r.cmd.Start())
-		exited := make(chan struct{})
-		go func() {
-			_ = r.cmd.Wait()
-			close(exited)
-		}()
+		r, stdout, exited := launch(t, bin, args...)
 		t.Cleanup(func() {
 			_ = r.cmd.Process.Signal(syscall.SIGTERM)
 			select {
@@ -62,7 +53,7 @@ func startReceivers(t *testing.T, bin string, n int, args ...string) []*receiver
 			}
 			assert.True(t, r.cmd.ProcessState.Success(), "instance %s did not shut down cleanly: %s\n%s", r.url, r.cmd.ProcessState, r.stderr)
 		})
-		recv[i], lines[i] = r, bufio.NewReader(stdout)
+		recv[i], lines[i] = r, stdout
 	}
 	for i, r := range recv {
 		// The first line is the bound address; EOF first means it died.
@@ -71,6 +62,23 @@ func startReceivers(t *testing.T, bin string, n int, args ...string) []*receiver
 		r.url = "http://" + strings.TrimSpace(line)
 	}
 	return recv
+}
+
+// launch starts one receiver process on a free loopback port; exited is
+// closed when it has exited. The caller reads its address from stdout.
+func launch(t *testing.T, bin string, args ...string) (r *receiver, stdout *bufio.Reader, exited <-chan struct{}) {
+	t.Helper()
+	r = &receiver{cmd: exec.Command(bin, append([]string{"-addr", "127.0.0.1:0"}, args...)...), stderr: &logBuffer{}}
+	r.cmd.Stderr = r.stderr
+	out, err := r.cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, r.cmd.Start())
+	done := make(chan struct{})
+	go func() {
+		_ = r.cmd.Wait()
+		close(done)
+	}()
+	return r, bufio.NewReader(out), done
 }
 
 // TestInstancesShareOneDatabaseExactlyOnce starts three processes of one

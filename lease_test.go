@@ -326,3 +326,55 @@ func TestLeaseFenceHoldsWhileTheTakeoverRuns(t *testing.T) {
 	assert.Equal(t, 1, f.ledgerRows())
 	assert.Equal(t, won.body, f.post("evt_f", "{}").body)
 }
+
+// Operations know leases: Check tells live leases from expired ones (a
+// crashed original: a warning), Stats counts them, and the sweep never
+// deletes a live lease, however old its key.
+func TestOperationsKnowLeases(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	table := idem.NewTestTable(t, db)
+	ctx := context.Background()
+	_, err := db.Exec(`INSERT INTO "` + table + `" (source, event_id, payload_digest, claimed_at, lease_until, lease_token) VALUES
+		('test', 'live_old', '\x00', now() - interval '100 days', now() + interval '1 hour', 1),
+		('test', 'expired_old', '\x00', now() - interval '100 days', now() - interval '1 hour', 2),
+		('test', 'expired_new', '\x00', now(), now() - interval '1 second', 3)`)
+	require.NoError(t, err)
+
+	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.LiveLeases)
+	assert.Equal(t, int64(2), r.ExpiredLeases)
+	assert.Equal(t, int64(0), r.Unanswered, "a lease is not a key committed without an answer")
+	var checks []string
+	for _, f := range r.Findings {
+		checks = append(checks, f.Check)
+		if f.Check == "expired_leases" {
+			assert.Equal(t, idem.SeverityWarning, f.Severity)
+		}
+	}
+	assert.Contains(t, checks, "expired_leases")
+	assert.NotContains(t, checks, "unanswered_keys")
+
+	s, err := idem.Stats(ctx, db, idem.StatsOptions{Table: table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), s.LiveLeases)
+	assert.Equal(t, int64(2), s.ExpiredLeases)
+	assert.Equal(t, int64(3), s.Rows)
+	require.Len(t, s.Sources, 1)
+	assert.Equal(t, int64(3), s.Sources[0].Leases)
+
+	res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: table, Pause: -1})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), res.Removed, "only the old expired lease")
+	var left []string
+	rows, err := db.Query(`SELECT event_id FROM "` + table + `" ORDER BY event_id`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id string
+		require.NoError(t, rows.Scan(&id))
+		left = append(left, id)
+	}
+	require.NoError(t, rows.Err())
+	assert.Equal(t, []string{"expired_new", "live_old"}, left)
+}

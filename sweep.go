@@ -163,6 +163,7 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 	s.deleteSQL = `DELETE FROM ` + q + ` WHERE (source, event_id) IN (
     SELECT source, event_id FROM ` + q + `
     WHERE claimed_at < now() - $1::bigint * interval '1 microsecond'
+      AND (lease_until IS NULL OR lease_until < now()) -- never a live lease
     LIMIT $2
     FOR UPDATE SKIP LOCKED)`
 	return s, nil

@@ -233,6 +233,7 @@ func printReport(w io.Writer, r *idem.Report) {
 	}
 	fmt.Fprintf(w, "overdue keys: %d (older than the retention plus %v)\n", r.OverdueRows, r.OverdueGrace)
 	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
+	fmt.Fprintf(w, "leases: %d live, %d expired (lease mode: handlers at work, and crashed originals awaiting a redelivery)\n", r.LiveLeases, r.ExpiredLeases)
 	fmt.Fprintf(w, "claims in flight: %d (stuck: %d, in flight for longer than %v)\n", r.InFlight, len(r.Stuck), r.StuckAfter)
 	for _, f := range r.Findings {
 		fmt.Fprintf(w, "\n%s %s: %s\n  what to do: %s\n", strings.ToUpper(f.Severity.String()), f.Check, f.What, f.Action)
@@ -243,10 +244,16 @@ func printReport(w io.Writer, r *idem.Report) {
 					c.PID, c.Age.Round(time.Second), c.State, c.Application, c.Client, c.Query)
 			}
 		case "unanswered_keys":
-			for _, k := range r.UnansweredKeys {
-				fmt.Fprintf(w, "  source %q event_id %q, claimed %s\n", k.Key.Source, k.Key.EventID, k.ClaimedAt.UTC().Format(time.RFC3339))
-			}
+			printKeys(w, r.UnansweredKeys)
+		case "expired_leases":
+			printKeys(w, r.ExpiredLeaseKeys)
 		}
+	}
+}
+
+func printKeys(w io.Writer, keys []idem.UnansweredKey) {
+	for _, k := range keys {
+		fmt.Fprintf(w, "  source %q event_id %q, claimed %s\n", k.Key.Source, k.Key.EventID, k.ClaimedAt.UTC().Format(time.RFC3339))
 	}
 }
 
@@ -261,7 +268,8 @@ func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 			return 0, err
 		}
 		fmt.Fprintf(stdout, "table: %s (%s)\n", s.Table, size(s.TableBytes))
-		fmt.Fprintf(stdout, "keys: %d (completed %d, without an answer %d)\n", s.Rows, s.Completed, s.Unanswered)
+		fmt.Fprintf(stdout, "keys: %d (completed %d, without an answer %d, leases live %d, leases expired %d)\n",
+			s.Rows, s.Completed, s.Unanswered, s.LiveLeases, s.ExpiredLeases)
 		fmt.Fprintf(stdout, "claims in flight: %d\n", s.InFlight)
 		if s.Rows > 0 {
 			fmt.Fprintf(stdout, "oldest key: %s\nnewest key: %s\n", stamp(s.Oldest), stamp(s.Newest))
@@ -271,9 +279,9 @@ func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		}
 		fmt.Fprintln(stdout)
 		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "SOURCE\tCOMPLETED\tWITHOUT ANSWER\tOLDEST\tNEWEST")
+		fmt.Fprintln(tw, "SOURCE\tCOMPLETED\tWITHOUT ANSWER\tLEASES\tOLDEST\tNEWEST")
 		for _, src := range s.Sources {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", src.Source, src.Completed, src.Unanswered, stamp(src.Oldest), stamp(src.Newest))
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%s\t%s\n", src.Source, src.Completed, src.Unanswered, src.Leases, stamp(src.Oldest), stamp(src.Newest))
 		}
 		_ = tw.Flush()
 		if s.OtherSources > 0 {

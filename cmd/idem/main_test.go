@@ -313,7 +313,7 @@ func TestCLI(t *testing.T) {
 
 		r := c.run(testURL, "stats", "-table", table)
 		require.Equal(t, 0, r.code, "%+v", r)
-		assert.Contains(t, r.stdout, "keys: 4 (completed 3, without an answer 1)\n")
+		assert.Contains(t, r.stdout, "keys: 4 (completed 3, without an answer 1, leases live 0, leases expired 0)\n")
 		assert.Contains(t, r.stdout, "claims in flight: 0\n")
 		lines := strings.Split(r.stdout, "\n")
 		var rows []string
