@@ -21,11 +21,20 @@ type sqlDriver struct {
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
 
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
-	tx, err := d.db.BeginTx(ctx, d.opts)
+	// database/sql sends COMMIT on the context the transaction began with,
+	// through pgx, which cancels a query whose context ends: a COMMIT
+	// waiting for a synchronous standby would then commit locally,
+	// unreplicated, and answer success. So the transaction begins on a
+	// context that ends with ctx only until Commit detaches it.
+	txCtx, release := context.WithCancel(context.WithoutCancel(ctx))
+	detach := context.AfterFunc(ctx, release)
+	tx, err := d.db.BeginTx(txCtx, d.opts)
 	if err != nil {
+		detach()
+		release()
 		return nil, driver.Begun{}, err
 	}
-	t := &sqlTx{tx: tx, q: &d.q}
+	t := &sqlTx{tx: tx, q: &d.q, detach: detach, release: release}
 	var b driver.Begun
 	b.Won, err = t.Claim(ctx, a)
 	if err == nil && !b.Won {
@@ -41,6 +50,10 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 type sqlTx struct {
 	tx *sql.Tx
 	q  *driver.Queries
+	// detach stops the transaction's context from ending with the
+	// request's; false if it has already ended. release ends it.
+	detach  func() bool
+	release context.CancelFunc
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
@@ -74,8 +87,12 @@ func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers,
 			err = fmt.Errorf("%w (%d rows)", driver.ErrNotStored, n)
 		}
 	}
+	if err == nil && !t.detach() {
+		err = ctx.Err() // the deadline passed: database/sql rolls back
+	}
 	if err == nil {
-		err = t.tx.Commit()
+		err = t.tx.Commit() // on a context that no longer ends
+		t.release()
 	}
 	if errors.Is(err, sql.ErrTxDone) {
 		err = fmt.Errorf("%w: %w", driver.ErrTxDone, err)
@@ -85,6 +102,8 @@ func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers,
 
 func (t *sqlTx) Rollback(context.Context) error {
 	err := t.tx.Rollback()
+	t.detach()
+	t.release()
 	if errors.Is(err, sql.ErrTxDone) {
 		return nil
 	}

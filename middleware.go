@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
@@ -793,14 +794,78 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx driver.Tx, k Key, 
 	if answer == nil {
 		answer = []byte{} // an empty answer is stored as '', not NULL
 	}
-	if err := tx.Commit(ctx, &x.args, status, headers, answer); err != nil {
-		_ = tx.Rollback(ctx)
+	if err := m.commit(ctx, x, tx, status, headers, answer); err != nil {
 		p, o := m.finishProblem(ctx, err)
 		x.fail(o, p)
 		return
 	}
 	x.obs.Outcome = OutcomeCompleted
 	x.answer(rec)
+}
+
+// errCommitPending: HandlerTimeout passed while the COMMIT was still
+// waiting for its answer, typically for a synchronous standby to confirm.
+var errCommitPending = errors.New("idem: the COMMIT had not answered by the deadline; it goes on, and the key stays in flight until it ends")
+
+// commit stores the answer and commits, or rolls back if that fails, and
+// returns when the COMMIT answers or ctx ends, whichever comes first.
+//
+// The COMMIT itself is never cancelled: the adapters send it on a context
+// that does not end. A COMMIT that waits for a synchronous standby and is
+// cancelled (a CancelRequest, which pgx sends when a context ends during a
+// query, with either of its context watchers) commits locally anyway, unreplicated,
+// and PostgreSQL reports it as a success with only a WARNING: the event
+// would be answered 2xx, and replayed 2xx to its redeliveries, though a
+// failover would lose it. So when ctx ends first, the answer is 503 and the
+// COMMIT goes on in the background, holding its connection and the key's
+// lock (duplicates are answered 409) until the standby confirms (a
+// redelivery then gets the stored answer) or the primary goes away (the key
+// is free again on the new primary). See docs/durability.md.
+func (m *Middleware) commit(ctx context.Context, x *exchange, tx driver.Tx, status int, headers, answer []byte) error {
+	args := x.args
+	key, method := x.obs.Key, x.r.Method
+	var state atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
+	done := make(chan error, 1)
+	go func() {
+		err := tx.Commit(ctx, &args, status, headers, answer)
+		if err != nil {
+			_ = tx.Rollback(ctx)
+		}
+		done <- err
+		if !state.CompareAndSwap(commitRunning, commitAnswered) {
+			m.logLateCommit(key, method, err)
+		}
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		if state.CompareAndSwap(commitRunning, commitAbandoned) {
+			return fmt.Errorf("%w: %w", errCommitPending, ctx.Err())
+		}
+		return <-done // it answered just now
+	}
+}
+
+// The states of a COMMIT that commit waits for.
+const (
+	commitRunning int32 = iota
+	commitAnswered
+	commitAbandoned
+)
+
+// logLateCommit logs how a COMMIT ended after its request was answered 503.
+func (m *Middleware) logLateCommit(key Key, method string, err error) {
+	if m.logger == nil {
+		return
+	}
+	level, msg := slog.LevelWarn, "idem: a COMMIT answered 503 for its deadline completed afterwards; redeliveries get its stored answer"
+	if err != nil {
+		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline failed afterwards; nothing was committed"
+	}
+	m.logger.LogAttrs(context.Background(), level, msg,
+		slog.String("source", key.Source), slog.String("event_id", key.EventID),
+		slog.String("method", method), slog.Any("error", err))
 }
 
 // finishProblem names why storing the answer or committing failed.

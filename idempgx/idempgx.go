@@ -350,6 +350,9 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 		// own: a COMMIT now would store the answer outside it.
 		return fmt.Errorf("%w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone)
 	}
+	if err := ctx.Err(); err != nil {
+		return err // the deadline passed before the answer could be stored
+	}
 	var b pgx.Batch
 	if t.insertAtEnd {
 		b.Queue(t.d.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
@@ -357,7 +360,12 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 		b.Queue(t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
 	}
 	b.Queue("COMMIT")
-	br := t.c.SendBatch(ctx, &b)
+	// Never cancelled: when a context ends during a query, pgx sends a
+	// CancelRequest (either context watcher: the default one closes the
+	// connection, which sends it too), and a COMMIT waiting for a
+	// synchronous standby that is cancelled commits locally, unreplicated,
+	// answering success. The engine stops waiting at its deadline instead.
+	br := t.c.SendBatch(context.WithoutCancel(ctx), &b)
 	_, err := br.Exec()
 	var tag pgconn.CommandTag
 	if err == nil {
