@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgcluster"
 	"github.com/stretchr/testify/require"
 )
 
@@ -21,12 +22,13 @@ func TestCommitWaitingForAnAbsentStandbyAnswers503(t *testing.T) {
 	s := clusters(t)
 	for _, via := range allVias {
 		t.Run(via, func(t *testing.T) {
+			t.Parallel()
 			c, err := s.Primary("absent-"+via, "synchronous_standby_names = 'absent'")
 			require.NoError(t, err)
 			stopAtEnd(t, c)
 			adm := admin(t, c)
 			migrate(t, adm)
-			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: 300 * time.Millisecond, LockWait: 50 * time.Millisecond})
+			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond})
 
 			first := rc.deliver("e1")
 			require.Equal(t, http.StatusServiceUnavailable, first.status, first.body)
@@ -55,6 +57,85 @@ func TestCommitWaitingForAnAbsentStandbyAnswers503(t *testing.T) {
 			require.True(t, third.replayed, "the redelivery after the commit completed ran the handler again")
 			require.NoError(t, adm.QueryRow(`SELECT count(*) FROM ledger`).Scan(&rows))
 			require.Equal(t, 1, rows)
+		})
+	}
+}
+
+// A primary restarted while a COMMIT waited for its standby counts the
+// COMMIT as committed (it was in the WAL): the event answered 503 is
+// replayed to its redelivery, processed once.
+func TestCommitWaitingDuringARestartCountsAsCommitted(t *testing.T) {
+	s := clusters(t)
+	for _, via := range []string{viaPgx, viaSQL} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			c, err := s.Primary("restart-"+via, "synchronous_standby_names = 'absent'")
+			require.NoError(t, err)
+			stopAtEnd(t, c)
+			adm := admin(t, c)
+			migrate(t, adm)
+			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second})
+
+			first := rc.deliver("e1")
+			require.Equal(t, http.StatusServiceUnavailable, first.status, first.body)
+			poll(t, "the COMMIT waits for the standby", 10*time.Second, func() (bool, error) {
+				n, err := syncRepWaiters(adm)
+				return n == 1, err
+			})
+			require.NoError(t, c.Kill())
+			require.NoError(t, c.Start())
+
+			again, _ := untilAnswered(t, func(int) *receiver { return rc }, "e1")
+			require.True(t, again.replayed, "the redelivery ran the handler again: %s", again.body)
+			requireOnce(t, admin(t, c), 1) // a new pool: the old one's connections died with the server
+		})
+	}
+}
+
+// A COMMIT that waited for a standby that never got its WAL is lost with
+// the primary: after the failover, the key answered 503 and then 409 is
+// free, and its redelivery runs the handler on the new primary, once.
+func TestCommitWaitingDuringAFailoverIsRunAgain(t *testing.T) {
+	s := clusters(t)
+	for _, via := range []string{viaPgx, viaSQL} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			p, err := s.Primary("crash-"+via, "synchronous_standby_names = 'standby_"+via+"'")
+			require.NoError(t, err)
+			stopAtEnd(t, p)
+			adm := admin(t, p)
+			migrate(t, adm)
+			sb, err := p.Standby("standby_"+via, "synchronous_standby_names = ''")
+			require.NoError(t, err)
+			stopAtEnd(t, sb)
+			var walsender int
+			poll(t, "the standby streams", 20*time.Second, func() (bool, error) {
+				var state string
+				err := adm.QueryRow(`SELECT pid, sync_state FROM pg_stat_replication WHERE state = 'streaming'`).Scan(&walsender, &state)
+				return state == "sync", err
+			})
+			rc := newReceiver(t, "r", via, pgcluster.MultiHostURL("postgres", p, sb),
+				idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond})
+			warm := rc.deliver("e0") // replicated: survives the failover
+			require.Equal(t, http.StatusOK, warm.status, warm.body)
+
+			require.NoError(t, p.Pause(walsender))
+			first := rc.deliver("e1")
+			require.Equal(t, http.StatusServiceUnavailable, first.status, first.body)
+			poll(t, "the COMMIT waits for the standby", 10*time.Second, func() (bool, error) {
+				n, err := syncRepWaiters(adm)
+				return n == 1, err
+			})
+			second := rc.deliver("e1")
+			require.Equal(t, http.StatusConflict, second.status, second.body)
+
+			require.NoError(t, p.Kill())
+			require.NoError(t, sb.Promote())
+			again, _ := untilAnswered(t, func(int) *receiver { return rc }, "e1")
+			require.False(t, again.replayed, "a commit the standby never got was replayed: %s", again.body)
+			replay, _ := untilAnswered(t, func(int) *receiver { return rc }, "e0")
+			require.Equal(t, warm.body, replay.body)
+			requireOnce(t, admin(t, sb), 2)
 		})
 	}
 }

@@ -250,16 +250,9 @@ func failover(t *testing.T, synchronous bool) failoverResult {
 	// The redelivery pass: every event until it is answered 2xx, as a
 	// sender retries (the pools reconnect to the new primary meanwhile).
 	redeliver := func(rcv func(attempt int) *receiver, e string) answer {
-		for attempt := 0; ; attempt++ {
-			a := rcv(attempt).deliver(e)
-			r.redeliveries++
-			if a.status/100 == 2 {
-				return a
-			}
-			require.Contains(t, []int{http.StatusConflict, http.StatusServiceUnavailable}, a.status, a.body)
-			require.Less(t, attempt, 200, "event %s is still not answered after the failover: %d %s", e, a.status, a.body)
-			time.Sleep(20 * time.Millisecond) // the sender's back-off
-		}
+		a, n := untilAnswered(t, rcv, e)
+		r.redeliveries += n
+		return a
 	}
 	var stale []string
 	for i := range events {
@@ -295,6 +288,22 @@ func failover(t *testing.T, synchronous bool) failoverResult {
 		setup.Round(time.Millisecond), stormTime.Round(time.Millisecond), failoverTime.Round(time.Millisecond),
 		(time.Since(start) - setup - stormTime - failoverTime).Round(time.Millisecond))
 	return r
+}
+
+// untilAnswered delivers event until it is answered 2xx, as a sender
+// retries after a 409 or a 503 (for instance while the pools reconnect to a
+// new primary), and returns the answer and the number of deliveries.
+func untilAnswered(t *testing.T, rcv func(attempt int) *receiver, event string) (answer, int) {
+	t.Helper()
+	for attempt := 0; ; attempt++ {
+		a := rcv(attempt).deliver(event)
+		if a.status/100 == 2 {
+			return a, attempt + 1
+		}
+		require.Contains(t, []int{http.StatusConflict, http.StatusServiceUnavailable}, a.status, a.body)
+		require.Less(t, attempt, 200, "event %s is still not answered: %d %s", event, a.status, a.body)
+		time.Sleep(20 * time.Millisecond) // the sender's back-off
+	}
 }
 
 // requireOnce checks that db's ledger has one row for each of the events,

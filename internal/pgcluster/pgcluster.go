@@ -284,8 +284,10 @@ func (c *Cluster) Stop(mode string) error {
 		_ = syscall.Kill(p, syscall.SIGKILL)
 	}
 	c.paused = nil
+	// The postmaster removes its pid file as it exits (the process may stay
+	// a zombie for a while: it is not our child).
 	deadline := time.Now().Add(opTimeout)
-	for syscall.Kill(pid, 0) == nil { // no event to await: poll, bounded
+	for c.pidFileNames(pid) { // no event to await: poll, bounded
 		if time.Now().After(deadline) {
 			return fmt.Errorf("pgcluster: %s did not stop within %v", c.Name, opTimeout)
 		}
@@ -297,6 +299,12 @@ func (c *Cluster) Stop(mode string) error {
 
 // Kill stops the server at once, if it runs.
 func (c *Cluster) Kill() error { return c.Stop("immediate") }
+
+// pidFileNames reports whether postmaster.pid still names pid.
+func (c *Cluster) pidFileNames(pid int) bool {
+	p, err := c.postmasterPID()
+	return err == nil && p == pid
+}
 
 func (c *Cluster) postmasterPID() (int, error) {
 	b, err := os.ReadFile(filepath.Join(c.Dir, "postmaster.pid"))
