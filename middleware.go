@@ -861,7 +861,7 @@ func (m *Middleware) logLateCommit(key Key, method string, err error) {
 	}
 	level, msg := slog.LevelWarn, "idem: a COMMIT answered 503 for its deadline completed afterwards; redeliveries get its stored answer"
 	if err != nil {
-		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline failed afterwards; nothing was committed"
+		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline ended afterwards with an error"
 	}
 	m.logger.LogAttrs(context.Background(), level, msg,
 		slog.String("source", key.Source), slog.String("event_id", key.EventID),

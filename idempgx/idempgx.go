@@ -367,9 +367,14 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 	// answering success. The engine stops waiting at its deadline instead.
 	br := t.c.SendBatch(context.WithoutCancel(ctx), &b)
 	_, err := br.Exec()
-	var tag pgconn.CommandTag
+	var (
+		tag    pgconn.CommandTag
+		warned error
+	)
 	if err == nil {
+		stop := watchCommit(t.c.PgConn()) // what is read from here on answers COMMIT
 		tag, err = br.Exec()
+		warned = stop()
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -383,7 +388,7 @@ func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, header
 		return fmt.Errorf("idem: COMMIT answered %q: %w", tag.String(), pgx.ErrTxCommitRollback)
 	}
 	t.release()
-	return nil
+	return warned // committed, but with a WARNING (DetectUnreplicatedCommits)
 }
 
 // Rollback rolls back whatever is open and gives the connection back.

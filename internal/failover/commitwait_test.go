@@ -139,3 +139,43 @@ func TestCommitWaitingDuringAFailoverIsRunAgain(t *testing.T) {
 		})
 	}
 }
+
+// A wait for the standby that someone else cancels (pg_cancel_backend) ends
+// in a local commit that PostgreSQL reports as a success with a WARNING.
+// With idempgx.DetectUnreplicatedCommits the answer is 503; without it, on
+// pgx or database/sql, it is a 2xx, as docs/durability.md says. Either way
+// the commit happened: the redelivery is replayed.
+func TestCancelledWaitForTheStandby(t *testing.T) {
+	s := clusters(t)
+	for _, tc := range []struct {
+		via    string
+		status int
+	}{{viaPgxDetecting, http.StatusServiceUnavailable}, {viaPgx, http.StatusOK}, {viaSQL, http.StatusOK}} {
+		t.Run(tc.via, func(t *testing.T) {
+			t.Parallel()
+			c, err := s.Primary("cancelled-"+tc.via, "synchronous_standby_names = 'absent'")
+			require.NoError(t, err)
+			stopAtEnd(t, c)
+			adm := admin(t, c)
+			migrate(t, adm)
+			rc := newReceiver(t, "r", tc.via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Minute})
+
+			got := make(chan answer, 1)
+			go func() { got <- rc.deliver("e1") }()
+			var pid int
+			poll(t, "the COMMIT waits for the standby", 10*time.Second, func() (bool, error) {
+				err := adm.QueryRow(`SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&pid)
+				return err == nil, err
+			})
+			_, err = adm.Exec(`SELECT pg_cancel_backend($1)`, pid)
+			require.NoError(t, err)
+			first := <-got
+			require.Equal(t, tc.status, first.status, first.body)
+
+			again := rc.deliver("e1")
+			require.Equal(t, http.StatusOK, again.status, again.body)
+			require.True(t, again.replayed)
+			requireOnce(t, adm, 1)
+		})
+	}
+}

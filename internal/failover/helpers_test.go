@@ -149,7 +149,7 @@ func newReceiver(t *testing.T, name, via, url string, opts idem.Options) *receiv
 			cfg.ConnConfig.BuildContextWatcherHandler = cancelWatcher
 		}
 		if via == viaPgxDetecting {
-			// idempgx.DetectUnreplicatedCommits(cfg)
+			idempgx.DetectUnreplicatedCommits(cfg)
 		}
 		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 		require.NoError(t, err)
