@@ -153,6 +153,10 @@ type Report struct {
 	// Findings are the problems found, most severe first; none when
 	// healthy.
 	Findings []Finding
+
+	// Durability is whether events answered 2xx survive a failover of the
+	// checked server: information, never a finding.
+	Durability Durability
 }
 
 // Severity returns the most severe finding's severity, SeverityOK when there
@@ -224,6 +228,9 @@ FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted).
 			if r.UnansweredKeys, err = unansweredKeys(ctx, tx, t); err != nil {
 				return err
 			}
+		}
+		if r.Durability, err = readDurability(ctx, tx); err != nil {
+			return err
 		}
 		claims, err := inFlightClaims(ctx, tx, t)
 		if err != nil {

@@ -29,6 +29,7 @@ func TestCommitWaitingForAnAbsentStandbyAnswers503(t *testing.T) {
 			adm := admin(t, c)
 			migrate(t, adm)
 			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond})
+			require.Contains(t, check(t, c).Summary, `synchronous_standby_names is "absent" but no standby confirms commits now`)
 
 			first := rc.deliver("e1")
 			require.Equal(t, http.StatusServiceUnavailable, first.status, first.body)

@@ -1,6 +1,7 @@
 package failover
 
 import (
+	"context"
 	"database/sql"
 	"fmt"
 	"math/rand/v2"
@@ -99,6 +100,17 @@ func failover(t *testing.T, synchronous bool) failoverResult {
 		err := adm.QueryRow(`SELECT pid, sync_state FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, standby.Name).Scan(&walsender, &state)
 		return state == want, err
 	})
+
+	report := check(t, primary)
+	if synchronous {
+		require.Equal(t, []string{standby.Name}, report.SyncStandbys)
+		require.Contains(t, report.Summary, "survives a failover")
+	} else {
+		require.Empty(t, report.SyncStandbys)
+		require.Equal(t, 1, report.OtherReplicas)
+		require.Contains(t, report.Summary, "can be lost by a failover")
+	}
+	require.True(t, check(t, standby).InRecovery)
 
 	url := pgcluster.MultiHostURL("postgres", primary, standby)
 	opts := idem.Options{HandlerTimeout: time.Second, LockWait: 200 * time.Millisecond}
@@ -288,6 +300,19 @@ func failover(t *testing.T, synchronous bool) failoverResult {
 		setup.Round(time.Millisecond), stormTime.Round(time.Millisecond), failoverTime.Round(time.Millisecond),
 		(time.Since(start) - setup - stormTime - failoverTime).Round(time.Millisecond))
 	return r
+}
+
+// check runs idem.Check on c as an operator would (with the server's own
+// synchronous_commit) and returns what it says of durability.
+func check(t *testing.T, c *pgcluster.Cluster) idem.Durability {
+	t.Helper()
+	db, err := c.Open("postgres")
+	require.NoError(t, err)
+	defer db.Close()
+	r, err := idem.Check(context.Background(), db, idem.CheckOptions{})
+	require.NoError(t, err)
+	require.Empty(t, r.Findings, "durability is never a finding")
+	return r.Durability
 }
 
 // untilAnswered delivers event until it is answered 2xx, as a sender
