@@ -106,7 +106,10 @@ type Options struct {
 	// the client's connection (a client that hangs up does not cancel the
 	// work, so its redelivery gets the replay) and carries this deadline
 	// instead; when it passes, the transaction is rolled back and the answer
-	// is 503. 0 means DefaultHandlerTimeout (30s).
+	// is 503. A COMMIT already sent is never cancelled (a cancelled wait for
+	// a synchronous standby commits anyway, unreplicated): the answer is 503
+	// and the COMMIT goes on, its key answering 409 until it ends (see
+	// docs/durability.md). 0 means DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
 	// TxOptions are passed to BeginTx for the claim transaction. nil means
@@ -165,7 +168,8 @@ const (
 	OutcomeMismatch
 	// OutcomeRolledBack: the key was claimed, but the handler answered a
 	// status that is not cached, panicked, timed out, misused the
-	// transaction or wrote too much; nothing was committed.
+	// transaction or wrote too much; nothing was committed (but for a
+	// COMMIT still waiting at HandlerTimeout, which may commit later).
 	OutcomeRolledBack
 	// OutcomeRejected: the request was refused before any claim (400, 413).
 	OutcomeRejected
