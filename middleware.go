@@ -831,25 +831,40 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx driver.Tx, stat
 	var state atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
 	done := make(chan error, 1)
 	go func() {
-		err := tx.Commit(ctx, &args, status, headers, answer)
-		if err != nil {
+		var err error
+		defer func() {
+			if p := recover(); p != nil { // a driver's hook: panic on the request's goroutine
+				_ = tx.Rollback(ctx)
+				err = commitPanic{p}
+			}
+			done <- err
+			if !state.CompareAndSwap(commitRunning, commitAnswered) {
+				m.logLateCommit(key, method, err)
+			}
+		}()
+		if err = tx.Commit(ctx, &args, status, headers, answer); err != nil {
 			_ = tx.Rollback(ctx)
 		}
-		done <- err
-		if !state.CompareAndSwap(commitRunning, commitAnswered) {
-			m.logLateCommit(key, method, err)
-		}
 	}()
+	var err error
 	select {
-	case err := <-done:
-		return err
+	case err = <-done:
 	case <-ctx.Done():
 		if state.CompareAndSwap(commitRunning, commitAbandoned) {
 			return fmt.Errorf("%w: %w", errCommitPending, ctx.Err())
 		}
-		return <-done // it answered just now
+		err = <-done // it answered just now
 	}
+	if p, ok := err.(commitPanic); ok {
+		panic(p.v)
+	}
+	return err
 }
+
+// commitPanic carries a panic of the COMMIT's goroutine to the request's.
+type commitPanic struct{ v any }
+
+func (p commitPanic) Error() string { return fmt.Sprint("idem: the COMMIT panicked: ", p.v) }
 
 // The states of a COMMIT that commit waits for.
 const (
