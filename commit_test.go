@@ -44,4 +44,3 @@ func (c panicCommitConn) BeginTx(ctx context.Context, o driver.TxOptions) (drive
 type panicCommitTx struct{ driver.Tx }
 
 func (panicCommitTx) Commit() error { panic("commit hook") }
-
