@@ -826,6 +826,10 @@ var errCommitPending = errors.New("idem: the COMMIT had not answered by the dead
 // redelivery then gets the stored answer) or the primary goes away (the key
 // is free again on the new primary). See docs/durability.md.
 func (m *Middleware) commit(ctx context.Context, x *exchange, tx driver.Tx, status int, headers, answer []byte) error {
+	if err := ctx.Err(); err != nil { // the handler returned past its deadline
+		_ = tx.Rollback(ctx)
+		return err
+	}
 	args := x.args
 	key, method := x.obs.Key, x.r.Method
 	var state atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
@@ -837,8 +841,9 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx driver.Tx, stat
 				_ = tx.Rollback(ctx)
 				err = commitPanic{p}
 			}
-			done <- err
-			if !state.CompareAndSwap(commitRunning, commitAnswered) {
+			if state.CompareAndSwap(commitRunning, commitAnswered) {
+				done <- err
+			} else {
 				m.logLateCommit(key, method, err)
 			}
 		}()

@@ -1,7 +1,12 @@
 package failover
 
 import (
+	"bytes"
+	"database/sql"
+	"log/slog"
 	"net/http"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,17 +23,27 @@ import (
 // wait as committed) the redelivery gets the stored answer, and the event
 // was processed once. On each adapter, and with pgx's CancelRequest context
 // watcher, which would cancel a COMMIT whose context ends.
+// waitingPrimary starts a primary whose commits wait for a standby that
+// never connects, with the tables, and returns it and an admin pool.
+func waitingPrimary(t *testing.T, s *pgcluster.Set, name string) (*pgcluster.Cluster, *sql.DB) {
+	t.Helper()
+	c, err := s.Primary(name, "synchronous_standby_names = 'absent'")
+	require.NoError(t, err)
+	stopAtEnd(t, c)
+	adm := admin(t, c)
+	migrate(t, adm)
+	return c, adm
+}
+
 func TestCommitWaitingForAnAbsentStandbyAnswers503(t *testing.T) {
 	s := clusters(t)
 	for _, via := range allVias {
 		t.Run(via, func(t *testing.T) {
 			t.Parallel()
-			c, err := s.Primary("absent-"+via, "synchronous_standby_names = 'absent'")
-			require.NoError(t, err)
-			stopAtEnd(t, c)
-			adm := admin(t, c)
-			migrate(t, adm)
-			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond})
+			c, adm := waitingPrimary(t, s, "absent-"+via)
+			logs := &syncBuffer{}
+			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond,
+				Logger: slog.New(slog.NewTextHandler(logs, nil))})
 			require.Contains(t, check(t, c).Summary, `synchronous_standby_names is "absent" but no standby confirms commits now`)
 
 			first := rc.deliver("e1")
@@ -58,6 +73,9 @@ func TestCommitWaitingForAnAbsentStandbyAnswers503(t *testing.T) {
 			require.True(t, third.replayed, "the redelivery after the commit completed ran the handler again")
 			require.NoError(t, adm.QueryRow(`SELECT count(*) FROM ledger`).Scan(&rows))
 			require.Equal(t, 1, rows)
+			poll(t, "the late COMMIT is logged", 10*time.Second, func() (bool, error) {
+				return strings.Contains(logs.String(), "completed afterwards") && strings.Contains(logs.String(), "event_id=e1"), nil
+			})
 		})
 	}
 }
@@ -70,11 +88,7 @@ func TestCommitWaitingDuringARestartCountsAsCommitted(t *testing.T) {
 	for _, via := range []string{viaPgx, viaSQL} {
 		t.Run(via, func(t *testing.T) {
 			t.Parallel()
-			c, err := s.Primary("restart-"+via, "synchronous_standby_names = 'absent'")
-			require.NoError(t, err)
-			stopAtEnd(t, c)
-			adm := admin(t, c)
-			migrate(t, adm)
+			c, adm := waitingPrimary(t, s, "restart-"+via)
 			rc := newReceiver(t, "r", via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Second})
 
 			first := rc.deliver("e1")
@@ -101,20 +115,7 @@ func TestCommitWaitingDuringAFailoverIsRunAgain(t *testing.T) {
 	for _, via := range []string{viaPgx, viaSQL} {
 		t.Run(via, func(t *testing.T) {
 			t.Parallel()
-			p, err := s.Primary("crash-"+via, "synchronous_standby_names = 'standby_"+via+"'")
-			require.NoError(t, err)
-			stopAtEnd(t, p)
-			adm := admin(t, p)
-			migrate(t, adm)
-			sb, err := p.Standby("standby_"+via, "synchronous_standby_names = ''")
-			require.NoError(t, err)
-			stopAtEnd(t, sb)
-			var walsender int
-			poll(t, "the standby streams", 20*time.Second, func() (bool, error) {
-				var state string
-				err := adm.QueryRow(`SELECT pid, sync_state FROM pg_stat_replication WHERE state = 'streaming'`).Scan(&walsender, &state)
-				return state == "sync", err
-			})
+			p, sb, adm, walsender := newPair(t, s, "crash_"+via, true)
 			rc := newReceiver(t, "r", via, pgcluster.MultiHostURL("postgres", p, sb),
 				idem.Options{HandlerTimeout: time.Second, LockWait: 50 * time.Millisecond})
 			warm := rc.deliver("e0") // replicated: survives the failover
@@ -154,11 +155,7 @@ func TestCancelledWaitForTheStandby(t *testing.T) {
 	}{{viaPgxDetecting, http.StatusServiceUnavailable}, {viaPgx, http.StatusOK}, {viaSQL, http.StatusOK}} {
 		t.Run(tc.via, func(t *testing.T) {
 			t.Parallel()
-			c, err := s.Primary("cancelled-"+tc.via, "synchronous_standby_names = 'absent'")
-			require.NoError(t, err)
-			stopAtEnd(t, c)
-			adm := admin(t, c)
-			migrate(t, adm)
+			c, adm := waitingPrimary(t, s, "cancelled-"+tc.via)
 			rc := newReceiver(t, "r", tc.via, c.URL("postgres"), idem.Options{HandlerTimeout: time.Minute})
 
 			got := make(chan answer, 1)
@@ -168,7 +165,7 @@ func TestCancelledWaitForTheStandby(t *testing.T) {
 				err := adm.QueryRow(`SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&pid)
 				return err == nil, err
 			})
-			_, err = adm.Exec(`SELECT pg_cancel_backend($1)`, pid)
+			_, err := adm.Exec(`SELECT pg_cancel_backend($1)`, pid)
 			require.NoError(t, err)
 			first := <-got
 			require.Equal(t, tc.status, first.status, first.body)
@@ -179,4 +176,23 @@ func TestCancelledWaitForTheStandby(t *testing.T) {
 			requireOnce(t, adm, 1)
 		})
 	}
+}
+
+// syncBuffer is a bytes.Buffer for a logger written from several
+// goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -78,28 +78,8 @@ func (r failoverResult) String() string {
 func failover(t *testing.T, synchronous bool) failoverResult {
 	start := time.Now()
 	s := clusters(t)
-	mode := "async"
-	var conf []string
-	if synchronous {
-		mode = "sync"
-		conf = append(conf, "synchronous_standby_names = '"+mode+"_standby'")
-	}
-	primary, err := s.Primary(mode+"_primary", conf...)
-	require.NoError(t, err)
-	stopAtEnd(t, primary)
-	adm := admin(t, primary)
-	migrate(t, adm)
-	// The promoted standby must not wait for a standby of its own.
-	standby, err := primary.Standby(mode+"_standby", "synchronous_standby_names = ''")
-	require.NoError(t, err)
-	stopAtEnd(t, standby)
-	want := map[bool]string{true: "sync", false: "async"}[synchronous]
-	var walsender int
-	poll(t, "the standby streams", 20*time.Second, func() (bool, error) {
-		var state string
-		err := adm.QueryRow(`SELECT pid, sync_state FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, standby.Name).Scan(&walsender, &state)
-		return state == want, err
-	})
+	mode := map[bool]string{true: "sync", false: "async"}[synchronous]
+	primary, standby, _, walsender := newPair(t, s, mode, synchronous)
 
 	report := check(t, primary)
 	if synchronous {
@@ -300,6 +280,34 @@ func failover(t *testing.T, synchronous bool) failoverResult {
 		setup.Round(time.Millisecond), stormTime.Round(time.Millisecond), failoverTime.Round(time.Millisecond),
 		(time.Since(start) - setup - stormTime - failoverTime).Round(time.Millisecond))
 	return r
+}
+
+// newPair starts a primary named name+"_primary", with the tables, and a
+// streaming standby of it, name+"_standby", synchronous or not; it returns
+// them, an admin pool on the primary and the pid of the primary's
+// walsender to the standby.
+func newPair(t *testing.T, s *pgcluster.Set, name string, synchronous bool) (primary, standby *pgcluster.Cluster, adm *sql.DB, walsender int) {
+	t.Helper()
+	var conf []string
+	if synchronous {
+		conf = append(conf, "synchronous_standby_names = '"+name+"_standby'")
+	}
+	primary, err := s.Primary(name+"_primary", conf...)
+	require.NoError(t, err)
+	stopAtEnd(t, primary)
+	adm = admin(t, primary)
+	migrate(t, adm)
+	// The promoted standby must not wait for a standby of its own.
+	standby, err = primary.Standby(name+"_standby", "synchronous_standby_names = ''")
+	require.NoError(t, err)
+	stopAtEnd(t, standby)
+	want := map[bool]string{true: "sync", false: "async"}[synchronous]
+	poll(t, "the standby streams", 20*time.Second, func() (bool, error) {
+		var state string
+		err := adm.QueryRow(`SELECT pid, sync_state FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, standby.Name).Scan(&walsender, &state)
+		return state == want, err
+	})
+	return primary, standby, adm, walsender
 }
 
 // check runs idem.Check on c as an operator would (with the server's own
