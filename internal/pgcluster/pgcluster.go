@@ -61,6 +61,7 @@ const opTimeout = 30 * time.Second
 type Set struct {
 	bin, root, template string
 	asUser              *user.User // run the server as this user; nil: as ourselves
+	watchdog            *exec.Cmd  // cleans up if this process dies first
 
 	mu       sync.Mutex
 	clusters []*Cluster
@@ -86,12 +87,37 @@ func NewSet() (*Set, error) {
 		_ = os.RemoveAll(s.root)
 		return nil, err
 	}
-	s.template = filepath.Join(s.root, "template")
-	if _, err := s.run("initdb", "-D", s.template, "-U", "postgres", "--auth=trust", "--no-sync", "--no-instructions"); err != nil {
+	if err := s.startWatchdog(); err != nil {
 		_ = os.RemoveAll(s.root)
 		return nil, err
 	}
+	s.template = filepath.Join(s.root, "template")
+	if _, err := s.run("initdb", "-D", s.template, "-U", "postgres", "--auth=trust", "--no-sync", "--no-instructions"); err != nil {
+		_ = s.Close()
+		return nil, err
+	}
 	return s, nil
+}
+
+// watchdogScript stops the servers of the directory $1 (SIGQUIT to a
+// postmaster is an immediate shutdown) and removes it once the process $2
+// is gone.
+const watchdogScript = `while kill -0 "$2" 2>/dev/null; do sleep 1; done
+for f in "$1"/*/postmaster.pid; do [ -f "$f" ] && kill -QUIT "$(head -n 1 "$f")" 2>/dev/null; done
+sleep 2
+rm -rf "$1"`
+
+// startWatchdog starts a shell, in a process group of its own, that cleans
+// up after this process if it dies without calling Close (a test binary
+// killed by its -timeout, or by a signal): no server outlives the tests.
+func (s *Set) startWatchdog() error {
+	cmd := exec.Command("sh", "-c", watchdogScript, "pgcluster-watchdog", s.root, strconv.Itoa(os.Getpid()))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	s.watchdog = cmd
+	return nil
 }
 
 func (s *Set) chown(path string) error {
@@ -138,6 +164,10 @@ func (s *Set) Close() error {
 	}
 	if err := os.RemoveAll(s.root); err != nil {
 		errs = append(errs, err)
+	}
+	if s.watchdog != nil {
+		_ = s.watchdog.Process.Kill()
+		_ = s.watchdog.Wait()
 	}
 	return errors.Join(errs...)
 }
