@@ -817,10 +817,10 @@ var errCommitPending = errors.New("idem: the COMMIT had not answered by the dead
 // The COMMIT itself is never cancelled: the adapters send it on a context
 // that does not end. A COMMIT that waits for a synchronous standby and is
 // cancelled (a CancelRequest, which pgx sends when a context ends during a
-// query, with either of its context watchers) commits locally anyway, unreplicated,
-// and PostgreSQL reports it as a success with only a WARNING: the event
-// would be answered 2xx, and replayed 2xx to its redeliveries, though a
-// failover would lose it. So when ctx ends first, the answer is 503 and the
+// query, with either of its context watchers) commits locally anyway,
+// unreplicated, and PostgreSQL reports it as a success with only a
+// WARNING: the event would be answered 2xx, and replayed 2xx to its
+// redeliveries, though a failover would lose it. So when ctx ends first, the answer is 503 and the
 // COMMIT goes on in the background, holding its connection and the key's
 // lock (duplicates are answered 409) until the standby confirms (a
 // redelivery then gets the stored answer) or the primary goes away (the key
