@@ -20,19 +20,36 @@ type sqlDriver struct {
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
 
+// begin begins a transaction whose COMMIT is never cancelled: database/sql
+// sends COMMIT on the context the transaction began with, through pgx,
+// which cancels a query whose context ends, and a COMMIT waiting for a
+// synchronous standby would then commit locally, unreplicated, and answer
+// success. So the transaction begins on a context that ends with ctx only
+// until its commit detaches it.
+func (d *sqlDriver) begin(ctx context.Context) (*sqlTx, error) {
+	txCtx, release := context.WithCancel(context.WithoutCancel(ctx))
+	detach := context.AfterFunc(ctx, release)
+	tx, err := d.db.BeginTx(txCtx, d.opts)
+	if err != nil {
+		detach()
+		release()
+		return nil, err
+	}
+	return &sqlTx{tx: tx, q: &d.q, detach: detach, release: release}, nil
+}
+
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
-	tx, err := d.db.BeginTx(ctx, d.opts)
+	t, err := d.begin(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
-	t := &sqlTx{tx: tx, q: &d.q}
 	var b driver.Begun
 	b.Won, err = t.Claim(ctx, a)
 	if err == nil && !b.Won {
-		b.Row, err = scanRow(tx.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	}
 	if err != nil {
-		_ = tx.Rollback()
+		_ = t.Rollback(ctx)
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil
@@ -41,6 +58,10 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 type sqlTx struct {
 	tx *sql.Tx
 	q  *driver.Queries
+	// detach stops the transaction's context from ending with the
+	// request's; false if it has already ended. release ends it.
+	detach  func() bool
+	release context.CancelFunc
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
@@ -92,8 +113,12 @@ func (t *sqlTx) commitWith(ctx context.Context, none error, query string, args .
 	if err == nil {
 		err = oneRow(res, none)
 	}
+	if err == nil && !t.detach() {
+		err = ctx.Err() // the deadline passed: database/sql rolls back
+	}
 	if err == nil {
-		err = t.tx.Commit()
+		err = t.tx.Commit() // on a context that no longer ends
+		t.release()
 	}
 	if errors.Is(err, sql.ErrTxDone) {
 		err = fmt.Errorf("%w: %w", driver.ErrTxDone, err)
@@ -126,15 +151,21 @@ func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease time.D
 }
 
 func (d *sqlDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
-	tx, err := d.db.BeginTx(ctx, d.opts)
+	t, err := d.begin(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &sqlTx{tx: tx, q: &d.q}, nil
+	return t, nil
 }
 
+// CompleteLease stores the answer in a statement that commits on its own,
+// sent on a context that does not end (see begin); the engine stops
+// waiting for it at its deadline.
 func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	res, err := d.db.ExecContext(ctx, d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	res, err := d.db.ExecContext(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
 	if err != nil {
 		return err
 	}
@@ -148,6 +179,8 @@ func (d *sqlDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int6
 
 func (t *sqlTx) Rollback(context.Context) error {
 	err := t.tx.Rollback()
+	t.detach()
+	t.release()
 	if errors.Is(err, sql.ErrTxDone) {
 		return nil
 	}

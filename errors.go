@@ -36,10 +36,14 @@ var (
 	// (422).
 	ErrPayloadMismatch = errors.New("idem: key reused with a different request body")
 	// ErrUnavailable: the database could not begin, claim, store or commit
-	// (503 with Retry-After). Nothing was committed.
+	// (503 with Retry-After). Nothing was committed, except when idempgx
+	// reports a COMMIT that PostgreSQL answered with a WARNING (see
+	// idempgx.DetectUnreplicatedCommits).
 	ErrUnavailable = errors.New("idem: idempotency store unavailable")
 	// ErrHandlerTimeout: the handler outlived Options.HandlerTimeout and its
-	// transaction was rolled back (503 with Retry-After).
+	// transaction was rolled back (503 with Retry-After), or its COMMIT had
+	// not answered by then (waiting for a synchronous standby): that COMMIT
+	// goes on and may still commit.
 	ErrHandlerTimeout = errors.New("idem: handler timed out")
 	// ErrTxMisuse: the handler committed or rolled back the transaction that
 	// belongs to the middleware (500).

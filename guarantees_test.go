@@ -12,7 +12,7 @@ import (
 
 // TestGuaranteesNameRealTests keeps docs/guarantees.md honest: every test
 // or fuzz target it (or any other page of the docs, or the README) names as
-// the check of a promise exists in this package.
+// the check of a promise exists in this package or in internal/failover.
 func TestGuaranteesNameRealTests(t *testing.T) {
 	t.Parallel()
 	guarantees, err := os.ReadFile("docs/guarantees.md")
@@ -33,6 +33,9 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	defined := map[string]bool{}
 	files, err := filepath.Glob("*_test.go")
 	require.NoError(t, err)
+	failover, err := filepath.Glob("internal/failover/*_test.go") // the tests with PostgreSQL clusters of their own
+	require.NoError(t, err)
+	files = append(files, failover...)
 	funcs := regexp.MustCompile(`(?m)^func ((?:Test|Fuzz)[A-Za-z0-9_]+)\(`)
 	for _, f := range files {
 		b, err := os.ReadFile(f)

@@ -163,6 +163,10 @@ type Report struct {
 	// Findings are the problems found, most severe first; none when
 	// healthy.
 	Findings []Finding
+
+	// Durability is whether events answered 2xx survive a failover of the
+	// checked server: information, never a finding.
+	Durability Durability
 }
 
 // Severity returns the most severe finding's severity, SeverityOK when there
@@ -242,6 +246,9 @@ FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted).
 				return err
 			}
 		}
+		if r.Durability, err = readDurability(ctx, tx); err != nil {
+			return err
+		}
 		claims, err := inFlightClaims(ctx, tx, t)
 		if err != nil {
 			return err
@@ -297,7 +304,7 @@ func findings(r *Report) []Finding {
 		c := r.Stuck[0]
 		add(SeverityCritical, "stuck_claims",
 			fmt.Sprintf("%d claim(s) in flight for longer than %v; the oldest for %v (pid %d, %s, application %q); every delivery of their keys is answered 409, and the open transactions hold back vacuum for the whole database", n, r.StuckAfter, c.Age.Round(time.Second), c.PID, c.State, c.Application),
-			"Look at the sessions (SELECT * FROM pg_stat_activity WHERE pid = ...). A session idle in transaction has lost its application: end it with SELECT pg_terminate_backend(pid); the claim rolls back and the sender's next retry runs the handler. An active one is slow: find what it waits for (wait_event) before ending it. Set idle_in_transaction_session_timeout on the application's role.")
+			"Look at the sessions (SELECT * FROM pg_stat_activity WHERE pid = ...). A session idle in transaction has lost its application: end it with SELECT pg_terminate_backend(pid); the claim rolls back and the sender's next retry runs the handler. An active one is slow: find what it waits for (wait_event) before ending it; IPC:SyncRep is a COMMIT waiting for a synchronous standby: never end it (that commits it locally, unreplicated), bring the standby back. Set idle_in_transaction_session_timeout on the application's role.")
 	}
 	if r.Invisible > 0 {
 		add(SeverityWarning, "claims_not_visible",

@@ -98,6 +98,39 @@ func TestCheckOfAHealthyTableHasNoFindings(t *testing.T) {
 	assert.Equal(t, idem.DefaultOverdueGrace, r.OverdueGrace)
 }
 
+// The test server has no standby: Check says that events answered 2xx can
+// be lost by a failover, as information, not a finding. (The failover
+// tests check what it says of a synchronous standby.)
+func TestCheckReportsDurability(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	table := idem.NewTestTable(t, db)
+	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Empty(t, r.Findings)
+	d := r.Durability
+	assert.False(t, d.InRecovery)
+	assert.Equal(t, "on", d.SynchronousCommit)
+	assert.Empty(t, d.SynchronousStandbyNames)
+	assert.Empty(t, d.SyncStandbys)
+	assert.Contains(t, d.Summary, "no synchronous standby")
+	assert.Contains(t, d.Summary, "can be lost by a failover")
+
+	// synchronous_commit = off is said first: even a crash loses events.
+	u, err := url.Parse(idem.TestDatabaseURL(t))
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("synchronous_commit", "off")
+	u.RawQuery = q.Encode()
+	off, err := sql.Open("pgx", u.String())
+	require.NoError(t, err)
+	defer off.Close()
+	r, err = idem.Check(context.Background(), off, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Equal(t, "off", r.Durability.SynchronousCommit)
+	assert.Contains(t, r.Durability.Summary, "lost by a crash of this server")
+}
+
 func TestCheckOfAnEmptyTable(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
@@ -105,7 +106,10 @@ type Options struct {
 	// the client's connection (a client that hangs up does not cancel the
 	// work, so its redelivery gets the replay) and carries this deadline
 	// instead; when it passes, the transaction is rolled back and the answer
-	// is 503. 0 means DefaultHandlerTimeout (30s).
+	// is 503. A COMMIT already sent is never cancelled (a cancelled wait for
+	// a synchronous standby commits anyway, unreplicated): the answer is 503
+	// and the COMMIT goes on, its key answering 409 until it ends (see
+	// docs/durability.md). 0 means DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
 	// Lease > 0 turns on lease mode, for handlers that make slow calls to
@@ -181,7 +185,8 @@ const (
 	OutcomeMismatch
 	// OutcomeRolledBack: the key was claimed, but the handler answered a
 	// status that is not cached, panicked, timed out, misused the
-	// transaction or wrote too much; nothing was committed.
+	// transaction or wrote too much; nothing was committed (but for a
+	// COMMIT still waiting at HandlerTimeout, which may commit later).
 	OutcomeRolledBack
 	// OutcomeRejected: the request was refused before any claim (400, 413).
 	OutcomeRejected
@@ -880,14 +885,95 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 	if answer == nil {
 		answer = []byte{} // an empty answer is stored as '', not NULL
 	}
-	if err := tx.Commit(ctx, &x.args, status, headers, answer); err != nil {
-		_ = tx.Rollback(ctx)
+	if err := m.commit(ctx, x, tx, status, headers, answer); err != nil {
 		p, o := m.finishProblem(ctx, err)
 		x.fail(o, p)
 		return
 	}
 	x.obs.Outcome = OutcomeCompleted
 	x.answer(rec)
+}
+
+// errCommitPending: HandlerTimeout passed while the COMMIT was still
+// waiting for its answer, typically for a synchronous standby to confirm.
+var errCommitPending = errors.New("idem: the COMMIT had not answered by the deadline; it goes on, and the key stays in flight until it ends")
+
+// commit stores the answer and commits, or rolls back if that fails, and
+// returns when the COMMIT answers or ctx ends, whichever comes first.
+//
+// The COMMIT itself is never cancelled: the adapters send it on a context
+// that does not end. A COMMIT that waits for a synchronous standby and is
+// cancelled (a CancelRequest, which pgx sends when a context ends during a
+// query, with either of its context watchers) commits locally anyway,
+// unreplicated, and PostgreSQL reports it as a success with only a
+// WARNING: the event would be answered 2xx, and replayed 2xx to its
+// redeliveries, though a failover would lose it. So when ctx ends first, the answer is 503 and the
+// COMMIT goes on in the background, holding its connection and the key's
+// lock (duplicates are answered 409) until the standby confirms (a
+// redelivery then gets the stored answer) or the primary goes away (the key
+// is free again on the new primary). See docs/durability.md.
+func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, status int, headers, answer []byte) error {
+	if err := ctx.Err(); err != nil { // the handler returned past its deadline
+		_ = tx.Rollback(ctx)
+		return err
+	}
+	args := x.args
+	key, method := x.obs.Key, x.r.Method
+	var state atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
+	done := make(chan error, 1)
+	go func() {
+		var err error
+		defer func() {
+			if p := recover(); p != nil { // a driver's hook: panic on the request's goroutine
+				_ = tx.Rollback(ctx)
+				err = commitPanic{p}
+			}
+			if state.CompareAndSwap(commitRunning, commitAnswered) {
+				done <- err
+			} else {
+				m.logLateCommit(key, method, err)
+			}
+		}()
+		if err = tx.Commit(ctx, &args, status, headers, answer); err != nil {
+			_ = tx.Rollback(ctx)
+		}
+	}()
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		if state.CompareAndSwap(commitRunning, commitAbandoned) {
+			return fmt.Errorf("%w: %w", errCommitPending, ctx.Err())
+		}
+		err = <-done // it answered just now
+	}
+	if p, ok := err.(commitPanic); ok {
+		panic(p.v)
+	}
+	return err
+}
+
+// commitPanic carries a panic of the COMMIT's goroutine to the request's.
+type commitPanic struct{ v any }
+
+func (p commitPanic) Error() string { return fmt.Sprint("idem: the COMMIT panicked: ", p.v) }
+
+// The states of a COMMIT that commit waits for.
+const (
+	commitRunning int32 = iota
+	commitAnswered
+	commitAbandoned
+)
+
+// logLateCommit logs how a COMMIT ended after its request was answered 503.
+func (m *Middleware) logLateCommit(key Key, method string, err error) {
+	level, msg := slog.LevelWarn, "idem: a COMMIT answered 503 for its deadline completed afterwards; redeliveries get its stored answer"
+	if err != nil {
+		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline ended afterwards with an error"
+	}
+	m.logr().LogAttrs(context.Background(), level, msg,
+		slog.String("source", key.Source), slog.String("event_id", key.EventID),
+		slog.String("method", method), slog.Any("error", err))
 }
 
 // finishProblem names why storing the answer or committing failed.

@@ -124,3 +124,39 @@ func ExampleTx() {
 	// commit refused: true
 	// 500
 }
+
+// On a primary with a synchronous standby, a COMMIT whose wait for the
+// standby someone cancels commits locally, unreplicated, and PostgreSQL
+// answers it with success and a WARNING. With the detection set on the
+// pool's configuration, such a request is answered 503 instead of 2xx.
+// (This server has no standby: the event is simply answered.)
+func ExampleDetectUnreplicatedCommits() {
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL")) // in production: a multi-host DSN, target_session_attrs=read-write
+	if err != nil {
+		panic(err)
+	}
+	idempgx.DetectUnreplicatedCommits(cfg) // before the pool is built
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	if err := idempgx.Migrate(ctx, pool, "example_detect_keys"); err != nil {
+		panic(err)
+	}
+	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Header("shop", "X-Event-Id"), Table: "example_detect_keys"})
+	if err != nil {
+		panic(err)
+	}
+	h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintln(w, "done")
+	}))
+	req := httptest.NewRequest(http.MethodPost, "/hook", strings.NewReader("{}"))
+	req.Header.Set("X-Event-Id", "evt_1")
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	fmt.Print(rec.Code, " ", rec.Body.String())
+	// Output:
+	// 200 done
+}

@@ -367,14 +367,27 @@ func (t *claimTx) commitWith(ctx context.Context, none error, query string, args
 		// own: a COMMIT now would store the answer outside it.
 		return fmt.Errorf("%w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone)
 	}
+	if err := ctx.Err(); err != nil {
+		return err // the deadline passed before the answer could be stored
+	}
 	var b pgx.Batch
 	b.Queue(query, args...)
 	b.Queue("COMMIT")
-	br := t.c.SendBatch(ctx, &b)
+	// Never cancelled: when a context ends during a query, pgx sends a
+	// CancelRequest (either context watcher: the default one closes the
+	// connection, which sends it too), and a COMMIT waiting for a
+	// synchronous standby that is cancelled commits locally, unreplicated,
+	// answering success. The engine stops waiting at its deadline instead.
+	br := t.c.SendBatch(context.WithoutCancel(ctx), &b)
 	_, err := br.Exec()
-	var tag pgconn.CommandTag
+	var (
+		tag    pgconn.CommandTag
+		warned error
+	)
 	if err == nil {
+		stop := watchCommit(t.c.PgConn()) // what is read from here on answers COMMIT
 		tag, err = br.Exec()
+		warned = stop()
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -388,7 +401,7 @@ func (t *claimTx) commitWith(ctx context.Context, none error, query string, args
 		return fmt.Errorf("idem: COMMIT answered %q: %w", tag.String(), pgx.ErrTxCommitRollback)
 	}
 	t.release()
-	return nil
+	return warned // committed, but with a WARNING (DetectUnreplicatedCommits)
 }
 
 // Rollback rolls back whatever is open and gives the connection back.
@@ -468,8 +481,14 @@ func (d *pgxDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
 	return t, nil
 }
 
+// CompleteLease stores the answer in a statement that commits on its own,
+// never cancelled (see commitWith); the engine stops waiting for it at its
+// deadline.
 func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	tag, err := d.pool.Exec(ctx, d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	tag, err := d.pool.Exec(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
 	if err == nil && tag.RowsAffected() != 1 {
 		err = fmt.Errorf("%w (%d rows)", driver.ErrFenced, tag.RowsAffected())
 	}

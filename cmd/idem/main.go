@@ -235,6 +235,7 @@ func printReport(w io.Writer, r *idem.Report) {
 	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
 	fmt.Fprintf(w, "leases: %d live, %d expired (lease mode: handlers at work, and crashed originals awaiting a redelivery)\n", r.LiveLeases, r.ExpiredLeases)
 	fmt.Fprintf(w, "claims in flight: %d (stuck: %d, in flight for longer than %v)\n", r.InFlight, len(r.Stuck), r.StuckAfter)
+	fmt.Fprintf(w, "durability (information): %s\n", r.Durability.Summary)
 	for _, f := range r.Findings {
 		fmt.Fprintf(w, "\n%s %s: %s\n  what to do: %s\n", strings.ToUpper(f.Severity.String()), f.Check, f.What, f.Action)
 		switch f.Check {

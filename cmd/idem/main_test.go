@@ -282,6 +282,7 @@ func TestCLI(t *testing.T) {
 		require.Equal(t, exitOK, r.code, "%+v", r)
 		assert.Contains(t, r.stdout, "status: ok\n")
 		assert.Contains(t, r.stdout, "keys: 3\n")
+		assert.Contains(t, r.stdout, "durability (information): no synchronous standby", "the test server has no standby; never a finding")
 		assert.Empty(t, r.stderr)
 
 		insert(t, table, "overdue_", 2, 40*day, false)
