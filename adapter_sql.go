@@ -121,7 +121,7 @@ func (t *sqlTx) commitWith(ctx context.Context, none error, query string, args .
 		t.release()
 	}
 	if errors.Is(err, sql.ErrTxDone) {
-		err = fmt.Errorf("%w: %w", driver.ErrTxDone, err)
+		err = fmt.Errorf("%w: %w: %w", driver.ErrTxDone, driver.ErrTxEnded, err)
 	}
 	return err
 }
@@ -136,9 +136,9 @@ func oneRow(res sql.Result, none error) error {
 	return err
 }
 
-func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
 	var l driver.Lease
-	err := d.db.QueryRowContext(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token).Scan(&l.TookOver)
+	err := d.db.QueryRowContext(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token, driver.LockTimeout(wait)).Scan(&l.TookOver)
 	switch {
 	case err == nil:
 		l.Won, l.Token = true, token
@@ -158,14 +158,17 @@ func (d *sqlDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
 	return t, nil
 }
 
-// CompleteLease stores the answer in a statement that commits on its own,
-// sent on a context that does not end (see begin); the engine stops
-// waiting for it at its deadline.
+// CompleteLease stores the answer in a statement that commits on its own:
+// the connection is taken within ctx, and the statement sent on a context
+// that does not end (see begin); the engine stops waiting for it at its
+// deadline.
 func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	if err := ctx.Err(); err != nil {
+	conn, err := d.db.Conn(ctx) // waiting for a connection ends with ctx
+	if err != nil {
 		return err
 	}
-	res, err := d.db.ExecContext(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	defer conn.Close()
+	res, err := conn.ExecContext(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
 	if err != nil {
 		return err
 	}
@@ -174,6 +177,11 @@ func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 
 func (d *sqlDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
 	_, err := d.db.ExecContext(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
+	return err
+}
+
+func (d *sqlDriver) KeepClaim(ctx context.Context, a *driver.Args, token int64) error {
+	_, err := d.db.ExecContext(ctx, d.q.KeepClaim, a.Source, a.EventID, token)
 	return err
 }
 

@@ -30,7 +30,8 @@ var (
 	ErrConflict = errors.New("idem: the claim kept failing with serialization failures or deadlocks")
 	// ErrLeaseExpired: lease mode; the handler's lease ran out and another
 	// delivery took the key over, so this run's writes and answer were
-	// rolled back (409 with Retry-After; the retry gets the stored answer).
+	// rolled back (409 with Retry-After; the retry gets the answer stored
+	// by the delivery that took over, or 409 while it still runs).
 	ErrLeaseExpired = errors.New("idem: the lease ran out and another delivery took the key over")
 	// ErrPayloadMismatch: the key was completed for a different request body
 	// (422).

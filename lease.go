@@ -52,8 +52,10 @@ type leaseClaim struct {
 func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim, *Problem, Outcome) {
 	var lastErr error
 	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
-		l, err := m.drv.ClaimLease(ctx, a, m.lease, newToken())
+		l, err := m.drv.ClaimLease(ctx, a, m.lease, m.lockWait, newToken())
 		switch {
+		case sqlState(err) == "55P03": // the row stayed locked for LockWait: a completion committing
+			return leaseClaim{}, problemFor(ErrInFlight), OutcomeInFlight
 		case retryable(err):
 			lastErr = err
 			continue
@@ -94,6 +96,9 @@ type leaseRun struct {
 	a     *driver.Args
 	token int64
 	lazy  lazyTx
+	// keep: the handler ended its transaction itself, so its writes may
+	// have committed; the key is kept, not released.
+	keep bool
 }
 
 // Commit stores the answer, fenced by the token, in the handler's
@@ -104,14 +109,19 @@ func (r *leaseRun) Commit(ctx context.Context, a *driver.Args, status int, heade
 	case err != nil:
 		return fmt.Errorf("%w: beginning the handler's transaction: %w", ErrUnavailable, err)
 	case tx != nil:
-		return tx.Complete(ctx, a, r.token, status, headers, body)
+		err := tx.Complete(ctx, a, r.token, status, headers, body)
+		r.keep = errors.Is(err, driver.ErrTxEnded)
+		return err
 	}
 	return r.m.drv.CompleteLease(ctx, a, r.token, status, headers, body)
 }
 
 // Rollback rolls back the handler's transaction, if it began one, and
 // releases the key (if the token still owns it and it is not completed),
-// so that the next delivery runs at once.
+// so that the next delivery runs at once. When the handler ended its
+// transaction itself, the key is kept instead, as a claim without an
+// answer: redeliveries get 409, as in single-transaction mode, and
+// check reports it.
 func (r *leaseRun) Rollback(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
@@ -119,9 +129,13 @@ func (r *leaseRun) Rollback(ctx context.Context) error {
 	if tx, _ := r.lazy.close(); tx != nil {
 		errs = append(errs, tx.Rollback(ctx))
 	}
-	if err := r.m.drv.ReleaseLease(ctx, r.a, r.token); err != nil {
+	end, what := r.m.drv.ReleaseLease, "releasing a lease failed; the key's next delivery waits for the lease to run out"
+	if r.keep {
+		end, what = r.m.drv.KeepClaim, "keeping the claim of a handler that ended its transaction failed; the key runs again once its lease runs out"
+	}
+	if err := end(ctx, r.a, r.token); err != nil {
 		errs = append(errs, err)
-		r.m.logr().LogAttrs(ctx, slog.LevelWarn, "idem: releasing a lease failed; the key's next delivery waits for the lease to run out",
+		r.m.logr().LogAttrs(ctx, slog.LevelError, "idem: "+what,
 			slog.String("source", r.a.Source), slog.String("event_id", r.a.EventID), slog.Any("error", err))
 	}
 	return errors.Join(errs...)

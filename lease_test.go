@@ -4,7 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -270,7 +272,7 @@ func TestSingleTransactionModeMeetsLeases(t *testing.T) {
 func TestMigrateAddsLeaseColumnsInPlace(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	const old = "idem_before_leases"
+	old := idem.NewTestTable(t, db) + "_before_leases" // a name of this test's own
 	_, err := db.Exec(`CREATE TABLE ` + old + ` (
 		source text NOT NULL, event_id text NOT NULL, payload_digest bytea NOT NULL,
 		response_status smallint, response_headers jsonb, response_body bytea,
@@ -282,7 +284,7 @@ func TestMigrateAddsLeaseColumnsInPlace(t *testing.T) {
 	require.NoError(t, idem.Migrate(context.Background(), db, old))
 	var cols, rows int
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM information_schema.columns
-		WHERE table_name = $1 AND column_name IN ('lease_until', 'lease_token')`, old).Scan(&cols))
+		WHERE table_schema = current_schema() AND table_name = $1 AND column_name IN ('lease_until', 'lease_token')`, old).Scan(&cols))
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+old+` WHERE response_body = 'kept'`).Scan(&rows))
 	assert.Equal(t, 2, cols)
 	assert.Equal(t, 1, rows)
@@ -377,4 +379,107 @@ func TestOperationsKnowLeases(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	assert.Equal(t, []string{"expired_new", "live_old"}, left)
+}
+
+// A lease-mode handler that ends its transaction itself may have committed
+// its writes: the key is kept as a claim without an answer (409 to every
+// redelivery, reported by check), never released to run again.
+func TestLeaseHandlerEndingItsTransactionKeepsTheKey(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = newFixture(t, idem.Options{Lease: 10 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := txFrom(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+		assert.NoError(t, err)
+		if tx.s != nil {
+			assert.NoError(t, tx.s.Commit())
+		} else {
+			_, err = tx.p.Conn().Exec(r.Context(), "COMMIT") // around the handle's refusal
+			assert.NoError(t, err)
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	assert.Equal(t, http.StatusInternalServerError, f.post("evt_1", "{}").status)
+	assert.Equal(t, http.StatusConflict, f.post("evt_1", "{}").status, "not run again")
+	assert.Equal(t, 1, f.ledgerRows())
+	assert.Equal(t, int64(1), f.runs.Load())
+	r, err := idem.Check(context.Background(), f.db, idem.CheckOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.Unanswered, "reported for an operator")
+}
+
+// A duplicate whose claim meets the key's row locked (a completion
+// committing) waits at most LockWait, then gets 409, not the 503 of its
+// own HandlerTimeout.
+func TestLeaseClaimWaitsForARowLockAtMostLockWait(t *testing.T) {
+	t.Parallel()
+	g := newGate()
+	t.Cleanup(g.open)
+	opts := idem.Options{Lease: 20 * time.Second, HandlerTimeout: 10 * time.Second, LockWait: 200 * time.Millisecond}
+	f := newFixture(t, opts, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		g.hold()
+		w.WriteHeader(http.StatusCreated)
+	}))
+	_, other := f.serveOn(f.db, opts)
+	orig := f.startOriginal(g, "evt_l", "{}")
+	ctx := context.Background()
+	conn, err := f.db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	tx, err := conn.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = tx.ExecContext(ctx, `SELECT 1 FROM "`+f.table+`" WHERE event_id = 'evt_l' FOR UPDATE`)
+	require.NoError(t, err)
+	r, err := newSender(t).post(other.URL, "evt_l", "{}")
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusConflict, r.status, "%s", r.body)
+	require.NoError(t, tx.Rollback())
+	g.open()
+	assert.Equal(t, http.StatusCreated, (<-orig).status)
+}
+
+// A COMMIT that outlives its request (answered 503 at HandlerTimeout, the
+// COMMIT going on) stores the handler's own answer, whatever requests come
+// after it: the answer's buffer is not recycled while the COMMIT reads it.
+// A deferred trigger makes the COMMIT slow. Both modes.
+func TestACommitOutlivingItsRequestStoresItsOwnAnswer(t *testing.T) {
+	t.Parallel()
+	for _, lease := range []time.Duration{0, 10 * time.Second} {
+		t.Run("lease="+lease.String(), func(t *testing.T) {
+			t.Parallel()
+			want := strings.Repeat("A", 4096)
+			var f *fixture
+			f = newFixture(t, idem.Options{Lease: lease, HandlerTimeout: 300 * time.Millisecond}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				key, _ := idem.KeyFromContext(r.Context())
+				tx, ok := txFrom(r.Context())
+				if !assert.True(t, ok) {
+					return
+				}
+				_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ($1, '')`, key.EventID)
+				assert.NoError(t, err)
+				w.WriteHeader(http.StatusCreated)
+				if key.EventID == "evt_slow" {
+					_, _ = w.Write([]byte(want))
+				}
+			}))
+			_, err := f.db.Exec(`CREATE FUNCTION slow_` + f.ledger + `() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+				CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON ` + f.ledger + ` DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW WHEN (NEW.event_id = 'evt_slow') EXECUTE FUNCTION slow_` + f.ledger + `()`)
+			require.NoError(t, err)
+			first := f.post("evt_slow", "{}")
+			assert.Equal(t, http.StatusServiceUnavailable, first.status, "%s", first.body)
+			for i := range 20 { // their bodies and answers go through pooled buffers
+				f.post(fmt.Sprintf("evt_%d", i), strings.Repeat("B", 4096))
+			}
+			var stored []byte
+			deadline := time.Now().Add(10 * time.Second)
+			for f.db.QueryRow(`SELECT response_body FROM "`+f.table+`" WHERE event_id = 'evt_slow' AND completed_at IS NOT NULL`).Scan(&stored) != nil {
+				require.True(t, time.Now().Before(deadline), "the COMMIT never completed")
+				time.Sleep(20 * time.Millisecond)
+			}
+			assert.Equal(t, want, string(stored))
+			assert.Equal(t, want, string(f.post("evt_slow", "{}").body))
+		})
+	}
 }

@@ -121,7 +121,8 @@ type Options struct {
 	// is 409). A duplicate while the lease lasts gets 409; once it has run
 	// out (the original crashed), the next delivery takes the key over. A
 	// status that is not final, a panic or HandlerTimeout releases the key
-	// at once. HandlerTimeout must be shorter than Lease; when it is not
+	// when the handler returns. HandlerTimeout must be shorter than Lease,
+	// and handlers must honour their context's deadline; when it is not
 	// set, it is four fifths of Lease (or 30s, if that is less). 0 (the
 	// default) is single-transaction mode: claim, writes and answer in one
 	// transaction.
@@ -842,8 +843,12 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 
 	rec := newRecorder(x.w, m.maxResponse)
 	rec.onLate = func() { m.log(x, slog.LevelError, "write after the handler returned, ignored", ErrWriteAfterReturn) }
+	abandoned := false // a COMMIT still running reads the answer's bytes: they are not recycled
 	defer func() {
-		if finished {
+		switch {
+		case finished && abandoned:
+			rec.retire()
+		case finished:
 			rec.release()
 		}
 	}()
@@ -886,6 +891,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		answer = []byte{} // an empty answer is stored as '', not NULL
 	}
 	if err := m.commit(ctx, x, tx, status, headers, answer); err != nil {
+		abandoned = errors.Is(err, errCommitPending)
 		p, o := m.finishProblem(ctx, err)
 		x.fail(o, p)
 		return

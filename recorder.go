@@ -43,6 +43,12 @@ func newRecorder(under http.ResponseWriter, limit int) *recorder {
 // recorder, never into another request's answer.
 func (rec *recorder) release() {
 	putBuffer(rec.body)
+	rec.retire()
+}
+
+// retire ends the recorder like release, but leaves the body buffer to the
+// garbage collector: a COMMIT that outlived its request still reads it.
+func (rec *recorder) retire() {
 	rec.body = nil
 	rec.released = true
 }

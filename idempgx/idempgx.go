@@ -365,7 +365,7 @@ func (t *claimTx) commitWith(ctx context.Context, none error, query string, args
 	if t.c.PgConn().TxStatus() == 'I' {
 		// The handler ended the transaction with COMMIT or ROLLBACK of its
 		// own: a COMMIT now would store the answer outside it.
-		return fmt.Errorf("%w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone)
+		return fmt.Errorf("%w: %w: the handler sent COMMIT or ROLLBACK itself", driver.ErrTxDone, driver.ErrTxEnded)
 	}
 	if err := ctx.Err(); err != nil {
 		return err // the deadline passed before the answer could be stored
@@ -448,9 +448,9 @@ func (t *claimTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
 
 // ClaimLease claims the key in lease mode: one statement, committed on its
 // own; when it claims nothing, the lookup follows.
-func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
 	var l driver.Lease
-	err := d.pool.QueryRow(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token).Scan(&l.TookOver)
+	err := d.pool.QueryRow(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token, driver.LockTimeout(wait)).Scan(&l.TookOver)
 	switch {
 	case err == nil:
 		l.Won, l.Token = true, token
@@ -481,14 +481,16 @@ func (d *pgxDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
 	return t, nil
 }
 
-// CompleteLease stores the answer in a statement that commits on its own,
-// never cancelled (see commitWith); the engine stops waiting for it at its
-// deadline.
+// CompleteLease stores the answer in a statement that commits on its own:
+// the connection is taken within ctx, the statement is never cancelled
+// (see commitWith); the engine stops waiting for it at its deadline.
 func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	if err := ctx.Err(); err != nil {
+	conn, err := d.pool.Acquire(ctx) // waiting for a connection ends with ctx
+	if err != nil {
 		return err
 	}
-	tag, err := d.pool.Exec(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
+	defer conn.Release()
+	tag, err := conn.Exec(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
 	if err == nil && tag.RowsAffected() != 1 {
 		err = fmt.Errorf("%w (%d rows)", driver.ErrFenced, tag.RowsAffected())
 	}
@@ -497,6 +499,11 @@ func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 
 func (d *pgxDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
 	_, err := d.pool.Exec(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
+	return err
+}
+
+func (d *pgxDriver) KeepClaim(ctx context.Context, a *driver.Args, token int64) error {
+	_, err := d.pool.Exec(ctx, d.q.KeepClaim, a.Source, a.EventID, token)
 	return err
 }
 

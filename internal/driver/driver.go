@@ -80,9 +80,11 @@ type Driver interface {
 
 	// ClaimLease claims the key in lease mode, in a statement that commits
 	// on its own: as in progress, until now + lease, with token; or takes
-	// over a key whose lease has run out. When it claims nothing, a second
-	// statement reads the key's row and lock.
-	ClaimLease(ctx context.Context, a *Args, lease time.Duration, token int64) (Lease, error)
+	// over a key whose lease has run out. It waits at most wait for a lock
+	// on the key's row (a completion committing): SQLSTATE 55P03 after
+	// that. When it claims nothing, a second statement reads the key's row
+	// and lock.
+	ClaimLease(ctx context.Context, a *Args, lease, wait time.Duration, token int64) (Lease, error)
 	// BeginLease begins the transaction of a lease-mode handler.
 	BeginLease(ctx context.Context) (LeaseTx, error)
 	// CompleteLease stores the answer of a lease-mode handler that wrote
@@ -92,6 +94,11 @@ type Driver interface {
 	// ReleaseLease deletes the in-progress row that token owns, so that the
 	// next delivery runs at once.
 	ReleaseLease(ctx context.Context, a *Args, token int64) error
+	// KeepClaim turns the in-progress row that token owns into a claim
+	// committed without an answer, which no delivery runs again: the
+	// handler ended its transaction itself, and its writes may have
+	// committed.
+	KeepClaim(ctx context.Context, a *Args, token int64) error
 }
 
 // Tx is a claim's transaction.
@@ -122,6 +129,11 @@ type Tx interface {
 // transaction (or tried to): the middleware's misuse answer.
 var ErrTxDone = errors.New("the handler ended the middleware's transaction")
 
+// ErrTxEnded wraps ErrTxDone when the handler really ended the transaction
+// (COMMIT or ROLLBACK of its own, not a call the adapter refused): its
+// writes may have committed, so the key must not run again.
+var ErrTxEnded = errors.New("the transaction was ended by the handler; its writes may have committed")
+
 // ErrNotStored is Commit's error when the answer's UPDATE found no claim to
 // complete: the handler deleted or completed the key's row itself.
 var ErrNotStored = errors.New("idem: storing the response found no claim to complete")
@@ -146,7 +158,7 @@ type Queries struct {
 	// Lease mode: the claim, the fenced completion (and its failing form,
 	// for a pipelined COMMIT), the release; TakeOver is the
 	// single-transaction claim of a key whose lease ran out.
-	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, TakeOver string
+	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, KeepClaim, TakeOver string
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
@@ -221,8 +233,12 @@ SELECT 1 / (SELECT count(*)::int FROM u)`,
 		// CONFLICT re-reads the latest row, so two deliveries after the
 		// lease ran out cannot both take it over. xmax is 0 for a row this
 		// statement inserted, not updated.
-		ClaimLease: `INSERT INTO ` + q + ` AS r (source, event_id, payload_digest, lease_until, lease_token)
-SELECT $1, $2, $3, now() + $5 * interval '1 microsecond', $6 WHERE pg_try_advisory_xact_lock($4)
+		// lock_timeout, set for the statement's own transaction before
+		// ON CONFLICT can wait for a lock on the row (a completion that is
+		// committing), bounds that wait.
+		ClaimLease: `WITH s AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true))
+INSERT INTO ` + q + ` AS r (source, event_id, payload_digest, lease_until, lease_token)
+SELECT $1, $2, $3, now() + $5 * interval '1 microsecond', $6 FROM s WHERE pg_try_advisory_xact_lock($4)
 ON CONFLICT (source, event_id) DO UPDATE
 SET payload_digest = excluded.payload_digest, lease_until = excluded.lease_until,
     lease_token = excluded.lease_token, claimed_at = now()
@@ -233,6 +249,8 @@ RETURNING r.xmax <> 0`,
 RETURNING 1)
 SELECT 1 / (SELECT count(*)::int FROM u)`,
 		ReleaseLease: `DELETE FROM ` + q + `
+WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
+		KeepClaim: `UPDATE ` + q + ` SET lease_until = NULL
 WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
 		// A single-transaction claim of a key whose lease ran out: the row
 		// becomes this transaction's claim, and the old token is gone.
