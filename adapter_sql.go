@@ -24,18 +24,15 @@ func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
 // sends COMMIT on the context the transaction began with, through pgx,
 // which cancels a query whose context ends, and a COMMIT waiting for a
 // synchronous standby would then commit locally, unreplicated, and answer
-// success. So the transaction begins on a context that ends with ctx only
-// until its commit detaches it.
+// success. So the transaction begins on a context that does not end (which
+// also spares database/sql a goroutine watching it); every statement is
+// sent with ctx, and the engine rolls back what it does not commit.
 func (d *sqlDriver) begin(ctx context.Context) (*sqlTx, error) {
-	txCtx, release := context.WithCancel(context.WithoutCancel(ctx))
-	detach := context.AfterFunc(ctx, release)
-	tx, err := d.db.BeginTx(txCtx, d.opts)
+	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), d.opts)
 	if err != nil {
-		detach()
-		release()
 		return nil, err
 	}
-	return &sqlTx{tx: tx, q: &d.q, detach: detach, release: release}, nil
+	return &sqlTx{tx: tx, q: &d.q}, nil
 }
 
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
@@ -58,10 +55,6 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 type sqlTx struct {
 	tx *sql.Tx
 	q  *driver.Queries
-	// detach stops the transaction's context from ending with the
-	// request's; false if it has already ended. release ends it.
-	detach  func() bool
-	release context.CancelFunc
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
@@ -113,12 +106,11 @@ func (t *sqlTx) commitWith(ctx context.Context, none error, query string, args .
 	if err == nil {
 		err = oneRow(res, none)
 	}
-	if err == nil && !t.detach() {
-		err = ctx.Err() // the deadline passed: database/sql rolls back
+	if err == nil {
+		err = ctx.Err() // the deadline passed: the engine rolls back
 	}
 	if err == nil {
-		err = t.tx.Commit() // on a context that no longer ends
-		t.release()
+		err = t.tx.Commit() // on a context that does not end
 	}
 	if errors.Is(err, sql.ErrTxDone) {
 		err = fmt.Errorf("%w: %w: %w", driver.ErrTxDone, driver.ErrTxEnded, err)
@@ -187,8 +179,6 @@ func (d *sqlDriver) KeepClaim(ctx context.Context, a *driver.Args, token int64) 
 
 func (t *sqlTx) Rollback(context.Context) error {
 	err := t.tx.Rollback()
-	t.detach()
-	t.release()
 	if errors.Is(err, sql.ErrTxDone) {
 		return nil
 	}

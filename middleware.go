@@ -549,10 +549,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 
-	// The transaction may first wait (LockWait) for an original on another
-	// instance, then run the handler (HandlerTimeout).
-	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
+	// HandlerTimeout counts from the claim. The claim may first wait, at
+	// most LockWait, for an original on another instance: a claim that
+	// waited gets a deadline of its own for the handler. (One timer for
+	// the common case, which waits for nothing.)
+	base := ctx
+	ctx, cancel := context.WithTimeout(base, max(m.handlerTimeout, m.lockWait))
 	defer cancel()
+	claimStart := time.Now()
 	c := m.claim(ctx, &x.args, deadline)
 	x.obs.TookOver = c.tookOver
 	x.obs.Wait += c.waited
@@ -564,6 +568,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.cache.put(key, c.replay, x.start)
 		x.replay(c.replay)
 		return
+	}
+	if c.waited > 0 || m.lockWait > m.handlerTimeout {
+		var cancelRun context.CancelFunc
+		ctx, cancelRun = context.WithTimeout(base, m.handlerTimeout-min(m.handlerTimeout, time.Since(claimStart)-c.waited))
+		defer cancelRun()
 	}
 	m.run(ctx, x, c.tx, reqState{tx: c.tx.Handle(), key: key}, body, next)
 }
@@ -828,10 +837,9 @@ type finisher interface {
 }
 
 // run calls the handler with state in its context, then commits its answer
-// or rolls everything back, all within HandlerTimeout.
+// or rolls everything back, all within ctx's deadline (HandlerTimeout from
+// the claim).
 func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state reqState, body []byte, next http.Handler) {
-	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
-	defer cancel()
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent
@@ -923,40 +931,55 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, statu
 		_ = tx.Rollback(ctx)
 		return err
 	}
-	args := x.args
-	key, method := x.obs.Key, x.r.Method
-	var state atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
-	done := make(chan error, 1)
-	go func() {
-		var err error
-		defer func() {
-			if p := recover(); p != nil { // a driver's hook: panic on the request's goroutine
-				_ = tx.Rollback(ctx)
-				err = commitPanic{p}
-			}
-			if state.CompareAndSwap(commitRunning, commitAnswered) {
-				done <- err
-			} else {
-				m.logLateCommit(key, method, err)
-			}
-		}()
-		if err = tx.Commit(ctx, &args, status, headers, answer); err != nil {
-			_ = tx.Rollback(ctx)
-		}
-	}()
+	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.r.Method,
+		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
+	go c.run()
 	var err error
 	select {
-	case err = <-done:
+	case err = <-c.done:
 	case <-ctx.Done():
-		if state.CompareAndSwap(commitRunning, commitAbandoned) {
+		if c.state.CompareAndSwap(commitRunning, commitAbandoned) {
 			return fmt.Errorf("%w: %w", errCommitPending, ctx.Err())
 		}
-		err = <-done // it answered just now
+		err = <-c.done // it answered just now
 	}
 	if p, ok := err.(commitPanic); ok {
 		panic(p.v)
 	}
 	return err
+}
+
+// pendingCommit is a COMMIT on its own goroutine, with all it needs, which
+// may outlive its request.
+type pendingCommit struct {
+	m               *Middleware
+	ctx             context.Context
+	tx              finisher
+	args            driver.Args
+	key             Key
+	method          string
+	status          int
+	headers, answer []byte
+	state           atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
+	done            chan error
+}
+
+func (c *pendingCommit) run() {
+	var err error
+	defer func() {
+		if p := recover(); p != nil { // a driver's hook: panic on the request's goroutine
+			_ = c.tx.Rollback(c.ctx)
+			err = commitPanic{p}
+		}
+		if c.state.CompareAndSwap(commitRunning, commitAnswered) {
+			c.done <- err
+		} else {
+			c.m.logLateCommit(c.key, c.method, err)
+		}
+	}()
+	if err = c.tx.Commit(c.ctx, &c.args, c.status, c.headers, c.answer); err != nil {
+		_ = c.tx.Rollback(c.ctx)
+	}
 }
 
 // commitPanic carries a panic of the COMMIT's goroutine to the request's.
