@@ -277,7 +277,7 @@ func jsonField(r *http.Request, body []byte, path []string, stringOnly bool) (st
 	// into the same id.
 	if !utf8.Valid(body) || !json.Valid(body) {
 		if ct := r.Header.Get("Content-Type"); ct != "" && !strings.Contains(strings.ToLower(ct), "json") {
-			return "", fmt.Errorf("%w: the body must be JSON, and its Content-Type is not", ErrBadBody)
+			return "", fmt.Errorf("%w: the body is not valid JSON (nor is it sent as JSON)", ErrBadBody)
 		}
 		return "", fmt.Errorf("%w: the body is not valid JSON", ErrBadBody)
 	}

@@ -1093,5 +1093,6 @@ func (m *Middleware) log(x *exchange, level slog.Level, msg string, err error) {
 		slog.String("source", x.obs.Key.Source),
 		slog.String("event_id", x.obs.Key.EventID),
 		slog.String("method", x.r.Method),
+		slog.String("path", x.r.URL.Path),
 		slog.Any("error", err))
 }
