@@ -13,14 +13,22 @@ import (
 // sqlDriver is the database/sql adapter: each operation is a sequence of
 // statements on a *sql.Tx, one round trip each.
 type sqlDriver struct {
-	db   *sql.DB
-	q    driver.Queries
-	opts *sql.TxOptions
+	db     *sql.DB
+	q      driver.Queries
+	opts   *sql.TxOptions
+	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
 }
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
 
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	if partitioned {
+		return d.beginLockFirst(ctx, a)
+	}
 	tx, err := d.db.BeginTx(ctx, d.opts)
 	if err != nil {
 		return nil, driver.Begun{}, err
@@ -32,6 +40,9 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		b.Row, err = scanRow(tx.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	}
 	if err != nil {
+		if sqlState(err) == driver.NoConflictTarget {
+			d.layout.Forget() // the table became partitioned: ask again
+		}
 		_ = tx.Rollback()
 		return nil, driver.Begun{}, err
 	}
@@ -41,11 +52,21 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 type sqlTx struct {
 	tx *sql.Tx
 	q  *driver.Queries
+	// insertAtEnd: the key was won lock-first (a partitioned table); Commit
+	// inserts its completed row.
+	insertAtEnd bool
+	lockFirst   bool // claims in this transaction are lock-first
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
 
 func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
+	if t.lockFirst {
+		// The transaction holds the key's lock and found no row: that is
+		// the claim; Commit inserts the completed row.
+		t.insertAtEnd = true
+		return true, nil
+	}
 	var won bool
 	err := t.tx.QueryRowContext(ctx, t.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -67,6 +88,9 @@ func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout
 }
 
 func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
+	if t.insertAtEnd {
+		return t.commitInserting(ctx, a, status, headers, body)
+	}
 	res, err := t.tx.ExecContext(ctx, t.q.Complete, a.Source, a.EventID, status, string(headers), body)
 	if err == nil {
 		var n int64
@@ -74,6 +98,11 @@ func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers,
 			err = fmt.Errorf("%w (%d rows)", driver.ErrNotStored, n)
 		}
 	}
+	return t.commit(err)
+}
+
+// commit commits unless err, and names the handler's misuse.
+func (t *sqlTx) commit(err error) error {
 	if err == nil {
 		err = t.tx.Commit()
 	}

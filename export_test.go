@@ -4,6 +4,9 @@ package idem
 var (
 	OpenTestDB      = openTestDB
 	NewTestTable    = newTestTable
+	NewPlainTable   = newPlainTestTable
+	NewPartitioned  = newPartitionedTestTable
+	AddPast         = addPastPartition
 	TestDatabaseURL = testDatabaseURL
 	LockID          = lockID
 	OpenDSN         = openDSN

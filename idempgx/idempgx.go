@@ -90,9 +90,16 @@ func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
 // Migrate creates the idempotency table and its index if they do not
 // exist, as idem.Migrate does, through pool.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, table string) error {
+	return MigrateWith(ctx, pool, idem.MigrateOptions{Table: table})
+}
+
+// MigrateWith is idem.MigrateWith through pool: with
+// opts.PartitionInterval set, it creates the table partitioned
+// (docs/partitioning.md).
+func MigrateWith(ctx context.Context, pool *pgxpool.Pool, opts idem.MigrateOptions) error {
 	db := stdlib.OpenDBFromPool(pool) // closing it leaves the pool open
 	defer db.Close()
-	return idem.Migrate(ctx, db, table)
+	return idem.MigrateWith(ctx, db, opts)
 }
 
 // txOptions are pgx's options for database/sql's, as pgx's database/sql
@@ -137,8 +144,10 @@ type pgxDriver struct {
 	// lock and reads its row, and the completed row is inserted at the end,
 	// with the answer. Under REPEATABLE READ or SERIALIZABLE a statement's
 	// snapshot can predate the lock, so the claim inserts the key first and
-	// the answer is an UPDATE, as on database/sql.
+	// the answer is an UPDATE, as on database/sql; a partitioned table
+	// (found out on the first claim) refuses such claims.
 	lockFirst bool
+	layout    driver.Layout
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
@@ -150,6 +159,11 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // and the claim's INSERT, then, for a duplicate, the lookup with ROLLBACK.
 // Either way a first replay costs two round trips.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	if !d.lockFirst {
+		if err := d.refusePartitioned(ctx); err != nil {
+			return nil, driver.Begun{}, err
+		}
+	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
@@ -165,10 +179,32 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
+		if sqlState(err) == driver.NoConflictTarget {
+			d.layout.Forget() // the table became partitioned: ask again
+		}
 		_ = t.Rollback(ctx)
 		return nil, driver.Begun{}, err
 	}
 	return t, begun, nil
+}
+
+// refusePartitioned fails claims that insert the key first on a
+// partitioned table, where ON CONFLICT sees one partition only and the
+// snapshot of REPEATABLE READ or SERIALIZABLE predates the key's lock. At
+// READ COMMITTED the lock-first claim serves both layouts, unasked.
+func (d *pgxDriver) refusePartitioned(ctx context.Context) error {
+	partitioned, err := d.layout.Partitioned(ctx, func(ctx context.Context) (*bool, error) {
+		var p *bool
+		err := d.pool.QueryRow(ctx, driver.PartitionedSQL, d.q.Table).Scan(&p)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil, nil
+		}
+		return p, err
+	})
+	if err == nil && partitioned {
+		err = driver.ErrPartitionedIsolation
+	}
+	return err
 }
 
 // lockAndRead takes the key's lock without waiting and reads its row, in

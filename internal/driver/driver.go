@@ -99,6 +99,8 @@ type Queries struct {
 	// CompleteOrFail is Complete that fails (division by zero) when it
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
+	// Table is the quoted table name, the argument of PartitionedSQL.
+	Table string
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
@@ -109,6 +111,7 @@ func NewQueries(quoted string) Queries {
 SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
 WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
 	return Queries{
+		Table: q,
 		// The claim decides in one statement: the INSERT runs only if the
 		// key's advisory lock is free, taken without waiting. A claim in
 		// flight holds that lock until its transaction ends, so a duplicate

@@ -1,0 +1,68 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+)
+
+// A partitioned table (range-partitioned on claimed_at, see docs/partitioning.md)
+// has no primary key on (source, event_id) across partitions: each partition
+// has its own. ON CONFLICT sees one partition only, so a claim there must take
+// the key's advisory lock first and then look for the key in every partition
+// with a new statement, whose snapshot (at READ COMMITTED) comes after the
+// lock: the lock-first claim of Queries.TryLock, Read and InsertCompleted.
+// An adapter finds out which layout its table has on its first claim (one
+// catalog query, remembered), so no option is needed.
+
+// PartitionedSQL reports whether the table named by $1 (quoted, as
+// Queries.Table) is partitioned; NULL when it does not exist.
+const PartitionedSQL = `SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)`
+
+// ErrPartitionedIsolation is a claim's error on a partitioned table when the
+// claim transaction would not run at READ COMMITTED: at REPEATABLE READ or
+// SERIALIZABLE a transaction's snapshot is taken by its first statement,
+// before the key's lock is held, so a delivery that committed in between
+// would be invisible and its key claimed a second time in another partition.
+var ErrPartitionedIsolation = errors.New("idem: the table is partitioned: its claims need READ COMMITTED, and Options.TxOptions asks for a higher isolation level")
+
+// Layout remembers whether an adapter's table is partitioned, once known.
+// The zero value knows nothing yet.
+type Layout struct {
+	state atomic.Int32 // 0 unknown, 1 plain, 2 partitioned
+}
+
+// Partitioned reports whether the table is partitioned, asking the database
+// with query (which runs PartitionedSQL with the quoted table name) on the
+// first call, and again after Forget. A table that does not exist counts as
+// plain and is asked about again next time: the claim fails on it anyway.
+func (l *Layout) Partitioned(ctx context.Context, query func(context.Context) (*bool, error)) (bool, error) {
+	switch l.state.Load() {
+	case 1:
+		return false, nil
+	case 2:
+		return true, nil
+	}
+	p, err := query(ctx)
+	switch {
+	case err != nil:
+		return false, err
+	case p == nil:
+		return false, nil
+	case *p:
+		l.state.Store(2)
+	default:
+		l.state.Store(1)
+	}
+	return *p, nil
+}
+
+// Forget makes the next claim ask again: the plain claim found that the
+// table has no unique index on (source, event_id), as happens when it was
+// converted to a partitioned one while the application ran.
+func (l *Layout) Forget() { l.state.Store(0) }
+
+// NoConflictTarget is the SQLSTATE (invalid_column_reference) of an INSERT
+// whose ON CONFLICT names columns without a unique index: the plain claim
+// on a partitioned table.
+const NoConflictTarget = "42P10"
