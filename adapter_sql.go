@@ -50,22 +50,17 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 }
 
 type sqlTx struct {
-	tx *sql.Tx
-	q  *driver.Queries
-	// insertAtEnd: the key was won lock-first (a partitioned table); Commit
-	// inserts its completed row.
-	insertAtEnd bool
-	lockFirst   bool // claims in this transaction are lock-first
+	tx        *sql.Tx
+	q         *driver.Queries
+	lockFirst bool // a partitioned table's claim: adapter_sql_partitioned.go
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
 
 func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	if t.lockFirst {
-		// The transaction holds the key's lock and found no row: that is
-		// the claim; Commit inserts the completed row.
-		t.insertAtEnd = true
-		return true, nil
+		b, err := t.claimOrRead(ctx, a, true)
+		return b.Won, err
 	}
 	var won bool
 	err := t.tx.QueryRowContext(ctx, t.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
@@ -88,9 +83,6 @@ func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout
 }
 
 func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
-	if t.insertAtEnd {
-		return t.commitInserting(ctx, a, status, headers, body)
-	}
 	res, err := t.tx.ExecContext(ctx, t.q.Complete, a.Source, a.EventID, status, string(headers), body)
 	if err == nil {
 		var n int64
@@ -98,11 +90,6 @@ func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers,
 			err = fmt.Errorf("%w (%d rows)", driver.ErrNotStored, n)
 		}
 	}
-	return t.commit(err)
-}
-
-// commit commits unless err, and names the handler's misuse.
-func (t *sqlTx) commit(err error) error {
 	if err == nil {
 		err = t.tx.Commit()
 	}

@@ -9,10 +9,11 @@ import (
 )
 
 // The database/sql adapter on a partitioned table (docs/partitioning.md):
-// the claim takes the key's lock first, with a statement of its own, then
-// reads the key's row in every partition with a new statement, whose
-// snapshot comes after the lock; the completed row is inserted at the end,
-// with the answer. ON CONFLICT would see one partition only.
+// ON CONFLICT would see one partition only, so the claim takes the key's
+// lock first, with a statement of its own, and then, with a new statement
+// whose snapshot comes after the lock, looks for the key in every partition
+// and inserts the claim if there is none (driver.Queries.ClaimOrRead). The
+// answer is stored by the same UPDATE as on a plain table.
 
 // askPartitioned asks whether the table is partitioned; nil when it does
 // not exist.
@@ -42,8 +43,7 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 }
 
 // beginLockFirst begins a transaction, takes the key's lock without
-// waiting and reads its row with a new statement. The key is won when the
-// lock is taken and no partition holds a row.
+// waiting, and claims the key or reads its row with a new statement.
 func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
@@ -53,43 +53,32 @@ func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args) (driver.
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
+	t := &sqlTx{tx: tx, q: &d.q, lockFirst: true}
+	var locked bool
+	err = tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&locked)
 	var b driver.Begun
-	err = tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&b.Row.GotLock)
 	if err == nil {
-		b.Row, err = scanRead(tx.QueryRowContext(ctx, d.q.Read, a.Source, a.EventID), b.Row)
+		b, err = t.claimOrRead(ctx, a, locked)
 	}
 	if err != nil {
 		_ = tx.Rollback()
 		return nil, driver.Begun{}, err
 	}
-	b.Won = b.Row.GotLock && !b.Row.Visible
-	return &sqlTx{tx: tx, q: &d.q, lockFirst: true, insertAtEnd: b.Won}, b, nil
+	return t, b, nil
 }
 
-// scanRead reads the Read statement's row into row; no row is Visible false.
-func scanRead(r *sql.Row, row driver.Row) (driver.Row, error) {
+// claimOrRead sends ClaimOrRead: the claim when locked and no partition
+// holds the key, else the key's row, if any.
+func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
 	var (
+		b      = driver.Begun{Row: driver.Row{GotLock: locked}}
 		status sql.NullInt32
 		done   sql.NullBool
 	)
-	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &done)
-	if errors.Is(err, sql.ErrNoRows) {
-		return row, nil
-	}
-	if err != nil {
-		return row, err
-	}
-	row.Visible = true
-	row.Completed = done.Valid && done.Bool
-	row.Status = int(status.Int32)
-	return row, nil
-}
-
-// commitInserting inserts the key's completed row and commits. The key's
-// lock has been held since the claim found no row, so no other claim can
-// have inserted one; the partition's primary key refuses a second row
-// anyway.
-func (t *sqlTx) commitInserting(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
-	_, err := t.tx.ExecContext(ctx, t.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
-	return t.commit(err)
+	err := t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked).
+		Scan(&b.Won, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done)
+	b.Row.Visible = b.Row.Digest != nil
+	b.Row.Completed = done.Valid && done.Bool
+	b.Row.Status = int(status.Int32)
+	return b, err
 }

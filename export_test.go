@@ -2,15 +2,17 @@ package idem
 
 // Test helpers shared with the external test package idem_test.
 var (
-	OpenTestDB      = openTestDB
-	NewTestTable    = newTestTable
-	NewPlainTable   = newPlainTestTable
-	NewPartitioned  = newPartitionedTestTable
-	AddPast         = addPastPartition
-	TestDatabaseURL = testDatabaseURL
-	LockID          = lockID
-	OpenDSN         = openDSN
-	DSNOf           = dsnOf
+	OpenTestDB     = openTestDB
+	NewTestTable   = newTestTable
+	NewPlainTable  = newPlainTestTable
+	NewPartitioned = newPartitionedTestTable
+	AddPast        = addPastPartition
+	// PartitionedLayout: the suite runs on partitioned tables (IDEM_LAYOUT).
+	PartitionedLayout = partitionedLayout
+	TestDatabaseURL   = testDatabaseURL
+	LockID            = lockID
+	OpenDSN           = openDSN
+	DSNOf             = dsnOf
 )
 
 // ExampleDB gives Example functions a database and a migrated table.

@@ -100,7 +100,9 @@ type Queries struct {
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
 	// Table is the quoted table name, the argument of PartitionedSQL.
-	Table string
+	// ClaimOrRead is the database/sql claim on a partitioned table, sent
+	// after TryLock: layout.go.
+	Table, ClaimOrRead string
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
@@ -111,7 +113,8 @@ func NewQueries(quoted string) Queries {
 SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
 WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
 	return Queries{
-		Table: q,
+		Table:       q,
+		ClaimOrRead: claimOrRead(q),
 		// The claim decides in one statement: the INSERT runs only if the
 		// key's advisory lock is free, taken without waiting. A claim in
 		// flight holds that lock until its transaction ends, so a duplicate

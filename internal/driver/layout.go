@@ -15,6 +15,28 @@ import (
 // An adapter finds out which layout its table has on its first claim (one
 // catalog query, remembered), so no option is needed.
 
+// claimOrRead is the claim of database/sql on a partitioned table, in the
+// transaction that has just sent TryLock ($4 is what it answered): a new
+// statement, so its snapshot comes after the lock. It reads the key's row in
+// every partition and, only when there is none and the lock is this
+// transaction's, inserts the claim, which the answer's UPDATE completes as
+// on a plain table (so a handler that commits the transaction itself leaves
+// an unanswered key, never a key that runs again). It returns whether it
+// inserted, and the row it read, if any: a duplicate costs no further
+// statement.
+func claimOrRead(q string) string {
+	return `WITH r AS MATERIALIZED (
+    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done
+    FROM ` + q + ` WHERE source = $1 AND event_id = $2 LIMIT 1),
+ins AS (
+    INSERT INTO ` + q + ` (source, event_id, payload_digest)
+    SELECT $1, $2, $3 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
+    RETURNING true AS won)
+SELECT coalesce((SELECT won FROM ins), false), r.payload_digest, r.response_status, r.response_headers,
+       r.response_body, r.done
+FROM (VALUES (1)) AS one LEFT JOIN r ON true`
+}
+
 // PartitionedSQL reports whether the table named by $1 (quoted, as
 // Queries.Table) is partitioned; NULL when it does not exist.
 const PartitionedSQL = `SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)`
