@@ -40,10 +40,15 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		b.Row, err = scanRow(tx.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	}
 	if err != nil {
-		if sqlState(err) == driver.NoConflictTarget {
-			d.layout.Forget() // the table became partitioned: ask again
-		}
 		_ = tx.Rollback()
+		if sqlState(err) == driver.NoConflictTarget {
+			// The table has become partitioned (docs/partitioning.md): ask
+			// again, and claim lock-first if so.
+			d.layout.Forget()
+			if p, perr := d.layout.Partitioned(ctx, d.askPartitioned); perr == nil && p {
+				return d.beginLockFirst(ctx, a)
+			}
+		}
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil

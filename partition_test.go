@@ -323,3 +323,64 @@ AND query LIKE 'ALTER TABLE%DETACH PARTITION%' AND wait_event_type = 'Lock'`).Sc
 	assert.NotEmpty(t, r.CurrentPartition)
 	assert.Empty(t, r.Findings)
 }
+
+// convertSQL is the conversion of docs/partitioning.md for the table t,
+// with the cutover cut (a timestamptz literal): first the CHECK constraint
+// that lets ATTACH skip its scan, validated without blocking claims; then,
+// in one short transaction, the plain table renamed and attached to a new
+// partitioned table as its partition for everything before the cutover.
+func convertSQL(t, cut string) []string {
+	return []string{
+		`ALTER TABLE "` + t + `" ADD CONSTRAINT "` + t + `_before_cutover" CHECK (claimed_at < '` + cut + `') NOT VALID`,
+		`ALTER TABLE "` + t + `" VALIDATE CONSTRAINT "` + t + `_before_cutover"`,
+		`BEGIN`,
+		`SET LOCAL lock_timeout = '5s'`,
+		`ALTER TABLE "` + t + `" RENAME TO "` + t + `_plain"`,
+		`ALTER INDEX "` + t + `_claimed_idx" RENAME TO "` + t + `_plain_claimed_idx"`,
+		`CREATE TABLE "` + t + `" (LIKE "` + t + `_plain" INCLUDING DEFAULTS) PARTITION BY RANGE (claimed_at)`,
+		`ALTER TABLE "` + t + `" ATTACH PARTITION "` + t + `_plain" FOR VALUES FROM (MINVALUE) TO ('` + cut + `')`,
+		`COMMIT`,
+	}
+}
+
+// A plain table converted by the documented procedure while a middleware
+// serves it: its keys keep replaying, new keys run once, and Migrate adds
+// the partitions after the cutover.
+func TestConvertingAPlainTableToPartitioned(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newPlainFixture(t, idem.Options{}, nil)
+	first := f.post("evt_1", "{}")
+	require.Equal(t, http.StatusCreated, first.status)
+
+	var cut string
+	require.NoError(t, f.db.QueryRow(`SELECT to_char(date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day', 'YYYY-MM-DD"T00:00:00Z"')`).Scan(&cut))
+	conn, err := f.db.Conn(ctx)
+	require.NoError(t, err)
+	for _, stmt := range convertSQL(f.table, cut) {
+		_, err := conn.ExecContext(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	require.NoError(t, conn.Close())
+	require.NoError(t, idem.MigrateWith(ctx, f.db, idem.MigrateOptions{Table: f.table, PartitionInterval: 24 * time.Hour}))
+
+	r := f.post("evt_1", "{}")
+	assert.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, first.body, r.body, "replayed from the old table, now a partition")
+	// A database/sql middleware that knew the table as plain finds out
+	// with its next claim, and claims lock-first from then on.
+	assert.Equal(t, http.StatusCreated, f.post("evt_2", "{}").status)
+	assert.Equal(t, http.StatusCreated, f.post("evt_2", "{}").status)
+	assert.Equal(t, int64(2), f.runs.Load())
+	assert.Equal(t, 2, f.ledgerRows())
+
+	rep, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, f.table+"_plain", rep.CurrentPartition)
+	assert.Equal(t, idem.DefaultPartitionsAhead, rep.PartitionsAhead)
+	assert.Empty(t, rep.Findings)
+	// The old table, now a partition, can still be swept row by row.
+	res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table + "_plain"})
+	require.NoError(t, err)
+	assert.Zero(t, res.Removed)
+}
