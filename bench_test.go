@@ -288,6 +288,10 @@ func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s 
 		bad  atomic.Int64
 		last atomic.Int64
 	)
+	if count == nil {
+		count = &benchCounter{} // not counted: no stmts/op
+	}
+	counted := count.n.Load() == 0
 	before := count.n.Load()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
@@ -303,7 +307,9 @@ func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s 
 	if n := bad.Load(); n > 0 {
 		b.Fatalf("%d of %d requests answered %d, want %d", n, b.N, last.Load(), want)
 	}
-	b.ReportMetric(float64(count.n.Load()-before)/float64(b.N), "stmts/op")
+	if n := count.n.Load() - before; n > 0 || !counted {
+		b.ReportMetric(float64(n)/float64(b.N), "stmts/op")
+	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 }
 

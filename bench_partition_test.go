@@ -1,0 +1,144 @@
+package idem_test
+
+// Claims on a partitioned table beside the same claims on a plain one
+// (docs/partitioning.md, "What it costs"):
+//
+//	BenchmarkPartitionedTable/path={new,dup}/adapter={sql,pgx}/layout={plain,partitioned}
+//
+// Both tables hold the same 300,000 completed keys spread over the last 30
+// days; the partitioned one has a partition per day (30 of them, the
+// current day's and 3 ahead: 34), so every claim looks for its key in 34
+// partitions. path=new sends keys never seen; path=dup redelivers completed
+// keys with the replay cache off, so every one asks PostgreSQL. Run it in
+// rounds, so that the layouts take turns on a busy machine:
+//
+//	COUNT=6 BENCH=PartitionedTable scripts/bench.sh
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
+	"github.com/pgidem/idem/internal/benchref"
+)
+
+const (
+	benchPartDays = 30      // daily partitions of the past
+	benchPartKeys = 300_000 // completed keys over them
+)
+
+var (
+	benchPartOnce   sync.Once
+	benchPartTables map[string]string // layout -> table with its ledger "ledger_<table>"
+	benchPartErr    error
+)
+
+// benchPartitionWorld returns the table of the layout, made and filled once
+// per test binary.
+func benchPartitionWorld(b *testing.B, layout string) string {
+	b.Helper()
+	benchPartOnce.Do(func() {
+		db := idem.OpenTestDB(b)
+		benchPartTables = map[string]string{
+			"plain":       idem.NewPlainTable(b, db),
+			"partitioned": idem.NewPartitioned(b, db, 24*time.Hour),
+		}
+		p := benchPartTables["partitioned"]
+		// The partition from MINVALUE gives way to one per day.
+		stmts := []string{`DROP TABLE "` + p + `_p00010101_0000"`}
+		for d := 1; d <= benchPartDays; d++ {
+			name := fmt.Sprintf(`"%s_past%d"`, p, d)
+			stmts = append(stmts,
+				`CREATE TABLE `+name+` (LIKE "`+p+`" INCLUDING DEFAULTS)`,
+				`ALTER TABLE `+name+` ADD PRIMARY KEY (source, event_id)`,
+				fmt.Sprintf(`ALTER TABLE "%s" ATTACH PARTITION %s FOR VALUES
+FROM (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '%d days')
+TO (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '%d days')`, p, name, d, d-1))
+		}
+		for _, t := range benchPartTables {
+			stmts = append(stmts,
+				fmt.Sprintf(`INSERT INTO "%s" (source, event_id, payload_digest, response_status, response_headers,
+    response_body, claimed_at, completed_at)
+SELECT 'bench', 'old-' || g, sha256(g::text::bytea), 201, '{"Content-Type": ["application/json"]}',
+       '{"ledger_id": 1}', date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+         - (g %% %d + 1) * interval '1 day' + (g / %d) * interval '1 millisecond', now()
+FROM generate_series(1, %d) AS g`, t, benchPartDays, benchPartDays, benchPartKeys),
+				`CREATE TABLE ledger_`+t+` (id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`,
+				`VACUUM ANALYZE "`+t+`"`)
+		}
+		for _, s := range stmts {
+			if _, err := db.Exec(s); err != nil {
+				benchPartErr = fmt.Errorf("%s: %w", s, err)
+				return
+			}
+		}
+	})
+	if benchPartErr != nil {
+		b.Fatal(benchPartErr)
+	}
+	return benchPartTables[layout]
+}
+
+func BenchmarkPartitionedTable(b *testing.B) {
+	for _, path := range []string{"new", "dup"} {
+		for _, adapter := range []string{"sql", "pgx"} {
+			for _, layout := range []string{"plain", "partitioned"} {
+				b.Run("path="+path+"/adapter="+adapter+"/layout="+layout, func(b *testing.B) {
+					table := benchPartitionWorld(b, layout)
+					ledger := "ledger_" + table
+					opts := idem.Options{KeyFunc: idem.Header(benchSource, benchHeader), Table: table, ReplayCacheBytes: -1}
+					var (
+						mw    *idem.Middleware
+						err   error
+						count *benchCounter // statements counted on database/sql only
+						inner = benchref.IdemHandler(ledger)
+					)
+					if adapter == "sql" {
+						var db *sql.DB
+						db, count = openBenchPool(b, nil)
+						mw, err = idem.New(db, opts)
+					} else {
+						cfg, perr := pgxpool.ParseConfig(idem.TestDatabaseURL(b))
+						if perr != nil {
+							b.Fatal(perr)
+						}
+						cfg.MaxConns, cfg.MinConns = benchPool, benchPool
+						pool, perr := pgxpool.NewWithConfig(context.Background(), cfg)
+						if perr != nil {
+							b.Fatal(perr)
+						}
+						b.Cleanup(pool.Close)
+						mw, err = idempgx.New(pool, opts)
+						inner = benchref.IdemPgxHandler(ledger)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
+					h := mw.Handler(inner)
+					if path == "new" {
+						prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
+						benchParallel(b, h, count, func(s *benchSender, i int64) int {
+							id := prefix + strconv.FormatInt(i, 10)
+							return s.send(id, benchBody(id))
+						}, http.StatusCreated)
+						return
+					}
+					// Redeliveries of the old keys, spread over every day, each
+					// with the body whose digest the key was stored with.
+					benchParallel(b, h, count, func(s *benchSender, i int64) int {
+						g := i%benchPartKeys + 1
+						return s.send("old-"+strconv.FormatInt(g, 10), []byte(strconv.FormatInt(g, 10)))
+					}, http.StatusCreated)
+				})
+			}
+		}
+	}
+}
