@@ -135,7 +135,7 @@ RETURNING true`,
 		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
        r.response_body, r.completed_at IS NOT NULL
 FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
 		// The lookup after a wait, which gives the transaction back the
 		// lock_timeout it had before: the claim may go on to run the
@@ -143,7 +143,7 @@ LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
 		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
        r.response_body, r.completed_at IS NOT NULL, set_config('lock_timeout', $4, true)
 FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
 		// Wait for the claim in flight to end, at most lock_timeout: it is
 		// set for this transaction only, before the lock is requested, and
@@ -157,7 +157,7 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 
 		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
 		Read: `SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL
-FROM ` + q + ` WHERE source = $1 AND event_id = $2`,
+FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead(""),
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,
 
