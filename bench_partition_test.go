@@ -3,12 +3,13 @@ package idem_test
 // Claims on a partitioned table beside the same claims on a plain one
 // (docs/partitioning.md, "What it costs"):
 //
-//	BenchmarkPartitionedTable/path={new,dup}/adapter={sql,pgx}/layout={plain,partitioned}
+//	BenchmarkPartitionedTable/path={new,dup}/adapter={sql,pgx}/layout={plain,daily,weekly}
 //
-// Both tables hold the same 300,000 completed keys spread over the last 30
-// days; the partitioned one has a partition per day (30 of them, the
-// current day's and 3 ahead: 34), so every claim looks for its key in 34
-// partitions. path=new sends keys never seen; path=dup redelivers completed
+// The tables hold the same 300,000 completed keys spread over the last 30
+// days: plain; daily, with a partition per day (30 of them, the current
+// day's and 3 ahead: 34, so every claim looks for its key in 31, the ones
+// ahead being skipped); weekly, with a partition per week (5 for the 30
+// days, the current week's and 3 ahead: every claim looks in 6). path=new sends keys never seen; path=dup redelivers completed
 // keys with the replay cache off, so every one asks PostgreSQL. Run it in
 // rounds, so that the layouts take turns on a busy machine:
 //
@@ -48,20 +49,26 @@ func benchPartitionWorld(b *testing.B, layout string) string {
 	benchPartOnce.Do(func() {
 		db := idem.OpenTestDB(b)
 		benchPartTables = map[string]string{
-			"plain":       idem.NewPlainTable(b, db),
-			"partitioned": idem.NewPartitioned(b, db, 24*time.Hour),
+			"plain":  idem.NewPlainTable(b, db),
+			"daily":  idem.NewPartitioned(b, db, 24*time.Hour),
+			"weekly": idem.NewPartitioned(b, db, 7*24*time.Hour),
 		}
-		p := benchPartTables["partitioned"]
-		// The partition from MINVALUE gives way to one per day.
-		stmts := []string{`DROP TABLE "` + p + `_p00010101_0000"`}
-		for d := 1; d <= benchPartDays; d++ {
-			name := fmt.Sprintf(`"%s_past%d"`, p, d)
-			stmts = append(stmts,
-				`CREATE TABLE `+name+` (LIKE "`+p+`" INCLUDING DEFAULTS)`,
-				`ALTER TABLE `+name+` ADD PRIMARY KEY (source, event_id)`,
-				fmt.Sprintf(`ALTER TABLE "%s" ATTACH PARTITION %s FOR VALUES
-FROM (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '%d days')
-TO (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '%d days')`, p, name, d, d-1))
+		var stmts []string
+		for layout, days := range map[string]int{"daily": 1, "weekly": 7} {
+			// The partition from MINVALUE gives way to one per interval,
+			// back from the first one Migrate made (at the start of the
+			// current interval since the Unix epoch, a Thursday for weeks).
+			p := benchPartTables[layout]
+			start := fmt.Sprintf(`to_timestamp(floor(extract(epoch FROM now()) / %[1]d) * %[1]d)`, days*86400)
+			stmts = append(stmts, `DROP TABLE "`+p+`_p00010101_0000"`)
+			for d := 1; d*days <= benchPartDays+days-1; d++ {
+				name := fmt.Sprintf(`"%s_past%d"`, p, d)
+				stmts = append(stmts,
+					`CREATE TABLE `+name+` (LIKE "`+p+`" INCLUDING DEFAULTS)`,
+					`ALTER TABLE `+name+` ADD PRIMARY KEY (source, event_id)`,
+					fmt.Sprintf(`ALTER TABLE "%s" ATTACH PARTITION %s FOR VALUES
+FROM (%s - interval '%d days') TO (%s - interval '%d days')`, p, name, start, d*days, start, (d-1)*days))
+			}
 		}
 		for _, t := range benchPartTables {
 			stmts = append(stmts,
@@ -90,7 +97,7 @@ FROM generate_series(1, %d) AS g`, t, benchPartDays, benchPartDays, benchPartKey
 func BenchmarkPartitionedTable(b *testing.B) {
 	for _, path := range []string{"new", "dup"} {
 		for _, adapter := range []string{"sql", "pgx"} {
-			for _, layout := range []string{"plain", "partitioned"} {
+			for _, layout := range []string{"plain", "daily", "weekly"} {
 				b.Run("path="+path+"/adapter="+adapter+"/layout="+layout, func(b *testing.B) {
 					table := benchPartitionWorld(b, layout)
 					ledger := "ledger_" + table
