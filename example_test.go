@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"time"
 
 	"github.com/pgidem/idem"
 )
@@ -154,4 +155,19 @@ func ExampleMigrate() {
 	_ = db.QueryRow(`SELECT count(*) FROM information_schema.columns WHERE table_name = 'billing_webhooks'`).Scan(&cols)
 	fmt.Println("columns:", cols)
 	// Output: columns: 8
+}
+
+func ExampleMigrateWith() {
+	db, _ := idem.ExampleDB()
+	defer db.Close()
+	// A table partitioned by week: the current week's partition and three
+	// ahead. Run it (or idem sweep) at least once a week to keep them ahead.
+	opts := idem.MigrateOptions{Table: "weekly_webhooks", PartitionInterval: 7 * 24 * time.Hour}
+	if err := idem.MigrateWith(context.Background(), db, opts); err != nil {
+		panic(err)
+	}
+	var partitions int
+	_ = db.QueryRow(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'weekly_webhooks'::regclass`).Scan(&partitions)
+	fmt.Println("partitions:", partitions)
+	// Output: partitions: 4
 }

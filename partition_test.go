@@ -270,6 +270,15 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_old%[2]d" FOR VALUES FROM ('%[3]s') 
 	}
 	require.Equal(t, 18, f.keys())
 
+	// Before the sweep, the check counts as overdue the keys of the
+	// partitions that ended longer ago than the retention plus the grace:
+	// old4 to old6 (ended 3 hours or more before a) for 2h and 1h.
+	r, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 2 * time.Hour, OverdueGrace: time.Hour})
+	require.NoError(t, err)
+	assert.Equal(t, int64(9), r.OverdueRows)
+	assert.Equal(t, 6+1+idem.DefaultPartitionsAhead, r.Partitions)
+	assert.Contains(t, checks(r), "overdue_keys")
+
 	// The cutoff: 3h35m before a. old5 and old6 ended before it; old4
 	// straddles it, with keys inside the retention.
 	var now time.Time
@@ -316,7 +325,7 @@ AND query LIKE 'ALTER TABLE%DETACH PARTITION%' AND wait_event_type = 'Lock'`).Sc
 	res, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Retention: retention, UnsafeShortRetention: true})
 	require.NoError(t, err)
 	assert.Zero(t, res.PartitionsDropped)
-	r, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 5 * time.Hour})
+	r, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 5 * time.Hour})
 	require.NoError(t, err)
 	assert.True(t, r.Partitioned)
 	assert.GreaterOrEqual(t, r.PartitionsAhead, idem.DefaultPartitionsAhead)
