@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sort"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
@@ -148,7 +149,7 @@ FROM pg_inherits i
 JOIN pg_class c ON c.oid = i.inhrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
 CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS b
-WHERE i.inhparent = to_regclass($1)
+WHERE i.inhparent = to_regclass($1) AND b IS NOT NULL -- NULL: being detached as we read
 ORDER BY 3 NULLS FIRST, 1`
 
 // listPartitions returns the partitions of t, the lowest first.
@@ -372,6 +373,9 @@ func (s *sweeper) runPartitions(ctx context.Context, db *sql.DB) (res SweepResul
 	if err := db.QueryRowContext(ctx, `SELECT now() - $1::bigint * interval '1 microsecond'`, s.retention.Microseconds()).Scan(&cutoff); err != nil {
 		return fail(err)
 	}
+	// A detach an earlier run left pending comes first: PostgreSQL starts
+	// no other on the table until it is finished.
+	sort.SliceStable(parts, func(i, j int) bool { return parts[i].Pending && !parts[j].Pending })
 	for _, p := range parts {
 		if p.Default || p.To.IsZero() || p.To.After(cutoff) {
 			continue
@@ -383,6 +387,18 @@ func (s *sweeper) runPartitions(ctx context.Context, db *sql.DB) (res SweepResul
 		}
 		n, err := dropPartition(ctx, db, s.table, p)
 		if err != nil {
+			switch other, cerr := anotherSweep(ctx, db, s.table, p, parts); {
+			case cerr == nil && other == otherTookIt:
+				continue
+			case cerr == nil && other == otherIsDetaching:
+				// PostgreSQL detaches one partition of a table at a time:
+				// the other sweep goes on with the rest.
+				if s.logger != nil {
+					s.logger.LogAttrs(ctx, slog.LevelInfo, "idem: sweep stops: another sweep is dropping partitions of the table",
+						slog.String("table", s.table.name))
+				}
+				return res, nil
+			}
 			return fail(fmt.Errorf("dropping partition %s: %w", p.Quoted, err))
 		}
 		res.Removed += n
@@ -393,4 +409,41 @@ func (s *sweeper) runPartitions(ctx context.Context, db *sql.DB) (res SweepResul
 		}
 	}
 	return res, nil
+}
+
+// What another sweep of the same table, running at the same time, did to
+// a partition this one failed to detach.
+const (
+	otherNone        = iota // nothing: the failure is this sweep's own
+	otherTookIt             // the partition is gone or being detached
+	otherIsDetaching        // another partition is being detached now
+)
+
+// anotherSweep tells why detaching p failed, from the partitions now and
+// those listed (before) when the sweep began.
+func anotherSweep(ctx context.Context, db *sql.DB, t table, p partition, before []partition) (int, error) {
+	now, err := listPartitions(ctx, db, t)
+	if err != nil {
+		return otherNone, err
+	}
+	pending := map[string]bool{}
+	for _, b := range before {
+		pending[b.Name] = b.Pending
+	}
+	attached, newlyPending := false, false
+	for _, q := range now {
+		if q.Name == p.Name && !q.Pending {
+			attached = true
+		}
+		if q.Pending && !pending[q.Name] {
+			newlyPending = true
+		}
+	}
+	switch {
+	case !attached:
+		return otherTookIt, nil
+	case newlyPending:
+		return otherIsDetaching, nil
+	}
+	return otherNone, nil
 }

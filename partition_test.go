@@ -393,3 +393,98 @@ func TestConvertingAPlainTableToPartitioned(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, res.Removed)
 }
+
+// Sweeps of one partitioned table that overlap (two CronJob runs, two
+// instances running RunSweeper) drop each expired partition once between
+// them, and none of them fails.
+func TestOverlappingSweepsOfAPartitionedTable(t *testing.T) {
+	t.Parallel()
+	f := newPartitionedFixture(t, idem.Options{}, nil)
+	_, err := f.db.Exec(`DROP TABLE "` + f.table + `_p00010101_0000"`)
+	require.NoError(t, err)
+	var a time.Time
+	require.NoError(t, f.db.QueryRow(`SELECT date_trunc('day', now())`).Scan(&a))
+	for d := 40; d <= 50; d++ {
+		_, err := f.db.Exec(fmt.Sprintf(`CREATE TABLE "%[1]s_o%[2]d" (LIKE "%[1]s" INCLUDING DEFAULTS);
+ALTER TABLE "%[1]s_o%[2]d" ADD PRIMARY KEY (source, event_id);
+ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::timestamptz - interval '%[2]d days') TO ('%[4]s'::timestamptz - interval '%[3]d days')`, f.table, d, d-1, a.Format(time.RFC3339)))
+		require.NoError(t, err)
+		f.insertKey(fmt.Sprintf("k%d", d), `$5::timestamptz`, a.Add(-time.Duration(d)*day+time.Hour), true)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var total int64
+	for i := 0; i < 3; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := idem.Sweep(context.Background(), f.db, idem.SweepOptions{Table: f.table, Pause: -1})
+			assert.NoError(t, err)
+			mu.Lock()
+			total += res.Removed
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	assert.Equal(t, int64(11), total, "each expired key removed once")
+	assert.Equal(t, 0, f.keys())
+	var left int
+	require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_class WHERE relname LIKE $1`, f.table+"_o%").Scan(&left))
+	assert.Zero(t, left, "no partition left detached")
+}
+
+// A sweep interrupted while it detached a partition (here: cancelled while
+// the detach waited for a reader) leaves the partition pending; the next
+// sweep finishes that detach first, and then drops the rest.
+func TestSweepFinishesADetachLeftPending(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newPartitionedFixture(t, idem.Options{}, nil)
+	_, err := f.db.Exec(`DROP TABLE "` + f.table + `_p00010101_0000"`)
+	require.NoError(t, err)
+	var a time.Time
+	require.NoError(t, f.db.QueryRow(`SELECT date_trunc('day', now())`).Scan(&a))
+	for d := 40; d <= 41; d++ {
+		_, err := f.db.Exec(fmt.Sprintf(`CREATE TABLE "%[1]s_o%[2]d" (LIKE "%[1]s" INCLUDING DEFAULTS);
+ALTER TABLE "%[1]s_o%[2]d" ADD PRIMARY KEY (source, event_id);
+ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::timestamptz - interval '%[2]d days') TO ('%[4]s'::timestamptz - interval '%[3]d days')`,
+			f.table, d, d-1, a.Format(time.RFC3339)))
+		require.NoError(t, err)
+		f.insertKey(fmt.Sprintf("k%d", d), `$5::timestamptz`, a.Add(-time.Duration(d)*day+time.Hour), true)
+	}
+
+	// A reader holds the table; the detach of o41 waits for it and is
+	// cancelled, which leaves o41 pending.
+	reader, err := f.db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	_, err = reader.ExecContext(ctx, `SELECT count(*) FROM "`+f.table+`"`)
+	require.NoError(t, err)
+	conn, err := f.db.Conn(ctx)
+	require.NoError(t, err)
+	defer conn.Close()
+	var pid int
+	require.NoError(t, conn.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	detached := make(chan error, 1)
+	go func() {
+		_, err := conn.ExecContext(ctx, `ALTER TABLE "`+f.table+`" DETACH PARTITION "`+f.table+`_o41" CONCURRENTLY`)
+		detached <- err
+	}()
+	waitFor(t, "the detach waiting for the reader", func() bool {
+		var waiting bool
+		require.NoError(t, f.db.QueryRow(`SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting))
+		return waiting
+	})
+	_, err = f.db.Exec(`SELECT pg_cancel_backend($1)`, pid)
+	require.NoError(t, err)
+	require.Error(t, <-detached)
+	require.NoError(t, reader.Rollback())
+	var pending bool
+	require.NoError(t, f.db.QueryRow(`SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`, `"`+f.table+`_o41"`).Scan(&pending))
+	require.True(t, pending, "the cancelled detach left the partition pending")
+
+	res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Pause: -1})
+	require.NoError(t, err)
+	assert.Equal(t, 2, res.PartitionsDropped)
+	assert.Equal(t, int64(2), res.Removed)
+	assert.Equal(t, 0, f.keys())
+}
