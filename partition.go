@@ -148,7 +148,7 @@ const partitionsSQL = `SELECT c.relname, quote_ident(n.nspname) || '.' || quote_
 FROM pg_inherits i
 JOIN pg_class c ON c.oid = i.inhrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
-CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS b
+CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b -- 0: no lock on the partition
 WHERE i.inhparent = to_regclass($1) AND b IS NOT NULL -- NULL: being detached as we read
 ORDER BY 3 NULLS FIRST, 1`
 
@@ -331,7 +331,8 @@ func keepPartitionsAhead(ctx context.Context, db *sql.DB, t table, ahead int) (i
 // dropPartition removes a partition: detached CONCURRENTLY (claims go on
 // meanwhile; it waits for the transactions that use the table to end),
 // counted, and dropped. A detach that an earlier run left pending is
-// finished instead. It returns the keys the partition held.
+// finished instead. It returns the keys the partition held. An error
+// wrapping errDetached means the partition was detached but not dropped.
 func dropPartition(ctx context.Context, db *sql.DB, t table, p partition) (int64, error) {
 	detach := `ALTER TABLE ` + t.quoted + ` DETACH PARTITION ` + p.Quoted + ` CONCURRENTLY`
 	if p.Pending {
@@ -340,14 +341,35 @@ func dropPartition(ctx context.Context, db *sql.DB, t table, p partition) (int64
 	if _, err := db.ExecContext(ctx, detach); err != nil {
 		return 0, err
 	}
+	// Detached: the table is this sweep's alone now, but another sweep
+	// that listed it may still try to detach it, and one of the two can be
+	// chosen as a deadlock's victim: try again.
 	var n int64
-	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM `+p.Quoted).Scan(&n); err != nil {
-		return 0, err
+	err := retryDeadlocks(func() error { return db.QueryRowContext(ctx, `SELECT count(*) FROM `+p.Quoted).Scan(&n) })
+	if err == nil {
+		err = retryDeadlocks(func() error {
+			_, err := db.ExecContext(ctx, `DROP TABLE `+p.Quoted)
+			return err
+		})
 	}
-	if _, err := db.ExecContext(ctx, `DROP TABLE `+p.Quoted); err != nil {
-		return 0, err
+	if err != nil {
+		return 0, fmt.Errorf("%w (DROP TABLE %s by hand): %w", errDetached, p.Quoted, err)
 	}
 	return n, nil
+}
+
+// errDetached: a partition was detached but could not be dropped.
+var errDetached = errors.New("the partition is detached but not dropped")
+
+// retryDeadlocks runs f up to three times while it fails with a deadlock.
+func retryDeadlocks(f func() error) error {
+	var err error
+	for range 3 {
+		if err = f(); sqlState(err) != "40P01" {
+			return err
+		}
+	}
+	return err
 }
 
 // runPartitions sweeps a partitioned table: it keeps s.ahead partitions
@@ -387,12 +409,16 @@ func (s *sweeper) runPartitions(ctx context.Context, db *sql.DB) (res SweepResul
 		}
 		n, err := dropPartition(ctx, db, s.table, p)
 		if err != nil {
+			if errors.Is(err, errDetached) {
+				return fail(err)
+			}
 			switch other, cerr := anotherSweep(ctx, db, s.table, p, parts); {
 			case cerr == nil && other == otherTookIt:
 				continue
-			case cerr == nil && other == otherIsDetaching:
-				// PostgreSQL detaches one partition of a table at a time:
-				// the other sweep goes on with the rest.
+			case cerr == nil && (other == otherIsDetaching || sqlState(err) == "40P01"):
+				// PostgreSQL detaches one partition of a table at a time
+				// (and a deadlock between two detaches leaves one of them
+				// going): the other sweep goes on with the rest.
 				if s.logger != nil {
 					s.logger.LogAttrs(ctx, slog.LevelInfo, "idem: sweep stops: another sweep is dropping partitions of the table",
 						slog.String("table", s.table.name))
