@@ -447,7 +447,8 @@ type TableStats struct {
 
 // Stats counts the committed keys by source, completed and unanswered, with
 // the oldest and newest key of each, and the claims in flight. Like Check,
-// it reads the whole table once, in one read-only snapshot.
+// it reads the whole table once, in one read-only snapshot (a partitioned
+// table's partitions are then counted once more, one by one).
 func Stats(ctx context.Context, db *sql.DB, opts StatsOptions) (*TableStats, error) {
 	t, err := parseTable(opts.Table)
 	if err != nil {

@@ -488,3 +488,58 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::ti
 	assert.Equal(t, int64(2), res.Removed)
 	assert.Equal(t, 0, f.keys())
 }
+
+// Check warns when fewer than two partitions are ready ahead, and is
+// critical when none holds the current time; a sweep puts both right.
+func TestCheckOfAPartitionedTableWatchesThePartitionsAhead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := idem.OpenTestDB(t)
+	table := idem.NewPartitioned(t, db, 24*time.Hour)
+	partitions := func() []string {
+		rows, err := db.Query(`SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass($1) ORDER BY 1`, `"`+table+`"`)
+		require.NoError(t, err)
+		defer rows.Close()
+		var out []string
+		for rows.Next() {
+			var p string
+			require.NoError(t, rows.Scan(&p))
+			out = append(out, p)
+		}
+		return out
+	}
+	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Empty(t, r.Findings)
+	assert.Equal(t, idem.DefaultPartitionsAhead, r.PartitionsAhead)
+
+	// The past partition, the current one and three ahead, by name: drop
+	// two of those ahead.
+	parts := partitions()
+	require.Len(t, parts, 5)
+	for _, p := range parts[3:] {
+		_, err := db.Exec(`DROP TABLE "` + p + `"`)
+		require.NoError(t, err)
+	}
+	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Equal(t, 1, r.PartitionsAhead)
+	assert.Equal(t, []string{"few_partitions_ahead"}, checks(r))
+	assert.Equal(t, idem.SeverityWarning, r.Severity())
+
+	_, err = db.Exec(`DROP TABLE "` + r.CurrentPartition + `"`)
+	require.NoError(t, err)
+	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Empty(t, r.CurrentPartition)
+	assert.Equal(t, []string{"no_current_partition"}, checks(r))
+	assert.Equal(t, idem.SeverityCritical, r.Severity())
+
+	_, err = idem.Sweep(ctx, db, idem.SweepOptions{Table: table})
+	require.NoError(t, err)
+	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	require.NoError(t, err)
+	assert.Empty(t, r.Findings, "the sweep added the current partition and those ahead")
+	assert.Equal(t, idem.DefaultPartitionsAhead, r.PartitionsAhead)
+}
