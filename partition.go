@@ -204,7 +204,7 @@ func alignDown(at time.Time, interval time.Duration) time.Time {
 // ensurePartitions creates the partitions of t that are missing from the
 // current interval (by the database's clock) through ahead intervals after
 // it, and returns how many it created. interval 0 means that of the newest
-// partition. A range partly covered by partitions made by someone else
+// bounded partition; without one, nothing is created. A range partly covered by partitions made by someone else
 // (pg_partman, an operator) gets partitions for its gaps only. Each is
 // created on its own and then attached, which takes a lock on the table
 // that claims do not wait for (CREATE TABLE ... PARTITION OF would).
@@ -215,7 +215,10 @@ func ensurePartitions(ctx context.Context, tx *sql.Tx, t table, interval time.Du
 	}
 	if interval == 0 {
 		if interval = newestInterval(parts); interval <= 0 {
-			return 0, errors.New("the partitioned table has no partition to take the interval from: migrate with a partition interval")
+			// No bounded partition to take the interval from (only one
+			// from MINVALUE, as right after a conversion): nothing is
+			// added until a migrate with an interval; the check says so.
+			return 0, nil
 		}
 	}
 	var now time.Time

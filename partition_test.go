@@ -371,6 +371,13 @@ func TestConvertingAPlainTableToPartitioned(t *testing.T) {
 		require.NoError(t, err, stmt)
 	}
 	require.NoError(t, conn.Close())
+	// An application's Migrate at start, before the operator's: nothing to
+	// take an interval from, so nothing added, and no error.
+	require.NoError(t, idem.Migrate(ctx, f.db, f.table))
+	rep, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Partitions)
+	assert.Equal(t, []string{"few_partitions_ahead"}, checks(rep))
 	require.NoError(t, idem.MigrateWith(ctx, f.db, idem.MigrateOptions{Table: f.table, PartitionInterval: 24 * time.Hour}))
 
 	r := f.post("evt_1", "{}")
@@ -383,7 +390,7 @@ func TestConvertingAPlainTableToPartitioned(t *testing.T) {
 	assert.Equal(t, int64(2), f.runs.Load())
 	assert.Equal(t, 2, f.ledgerRows())
 
-	rep, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
+	rep, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, f.table+"_plain", rep.CurrentPartition)
 	assert.Equal(t, idem.DefaultPartitionsAhead, rep.PartitionsAhead)
