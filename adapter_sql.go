@@ -13,9 +13,10 @@ import (
 // sqlDriver is the database/sql adapter: each operation is a sequence of
 // statements on a *sql.Tx, one round trip each.
 type sqlDriver struct {
-	db   *sql.DB
-	q    driver.Queries
-	opts *sql.TxOptions
+	db     *sql.DB
+	q      driver.Queries
+	opts   *sql.TxOptions
+	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
 }
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
@@ -36,6 +37,13 @@ func (d *sqlDriver) begin(ctx context.Context) (*sqlTx, error) {
 }
 
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	if partitioned {
+		return d.beginLockFirst(ctx, a)
+	}
 	t, err := d.begin(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
@@ -47,19 +55,32 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 	}
 	if err != nil {
 		_ = t.Rollback(ctx)
+		if sqlState(err) == driver.NoConflictTarget {
+			// The table has become partitioned (docs/partitioning.md): ask
+			// again, and claim lock-first if so.
+			d.layout.Forget()
+			if p, perr := d.layout.Partitioned(ctx, d.askPartitioned); perr == nil && p {
+				return d.beginLockFirst(ctx, a)
+			}
+		}
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil
 }
 
 type sqlTx struct {
-	tx *sql.Tx
-	q  *driver.Queries
+	tx        *sql.Tx
+	q         *driver.Queries
+	lockFirst bool // a partitioned table's claim: adapter_sql_partitioned.go
 }
 
 func (t *sqlTx) Handle() any { return t.tx }
 
 func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
+	if t.lockFirst {
+		b, err := t.claimOrRead(ctx, a, true)
+		return b.Won, err
+	}
 	var won bool
 	err := t.tx.QueryRowContext(ctx, t.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -129,6 +150,12 @@ func oneRow(res sql.Result, none error) error {
 }
 
 func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
+	if partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil || partitioned {
+		if err != nil {
+			return driver.Lease{}, err
+		}
+		return d.claimLeaseLockFirst(ctx, a, lease, token)
+	}
 	var l driver.Lease
 	err := d.db.QueryRowContext(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token, driver.LockTimeout(wait)).Scan(&l.TookOver)
 	switch {

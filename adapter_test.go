@@ -142,7 +142,7 @@ func newPgxPool(t testing.TB, dsn string) *pgxpool.Pool {
 // (its claim takes the key's lock and reads; the completed row is inserted
 // with the answer), the INSERT.
 func storeEvent() string {
-	if onPgx {
+	if onPgx { // on either layout
 		return "INSERT"
 	}
 	return "UPDATE"
@@ -151,10 +151,22 @@ func storeEvent() string {
 // claimFirst returns opts such that a trigger on the table's INSERT fails
 // the claim itself: on idempgx, REPEATABLE READ, under which it claims by
 // inserting the key first, as database/sql does. At READ COMMITTED its
-// claim writes nothing, and such failures cannot happen there.
+// claim writes nothing, and such failures cannot happen there. On a
+// partitioned table idempgx claims at READ COMMITTED only (REPEATABLE READ
+// is refused there): opts stay as they are, and tests of a failing claim
+// INSERT call needsClaimInsert.
 func claimFirst(opts idem.Options) idem.Options {
-	if onPgx {
+	if onPgx && !idem.PartitionedLayout {
 		opts.TxOptions = &sql.TxOptions{Isolation: sql.LevelRepeatableRead}
 	}
 	return opts
+}
+
+// needsClaimInsert skips a test of a failing claim INSERT where the claim
+// inserts nothing: idempgx on a partitioned table.
+func needsClaimInsert(t *testing.T) {
+	t.Helper()
+	if onPgx && idem.PartitionedLayout {
+		t.Skip("idempgx on a partitioned table claims lock-first: the claim inserts nothing that could fail")
+	}
 }

@@ -238,7 +238,7 @@ func openBenchPool(b *testing.B, params map[string]string) (*sql.DB, *benchCount
 func newBenchWorld(b *testing.B) *benchWorld {
 	b.Helper()
 	db, c := openBenchPool(b, nil)
-	w := &benchWorld{db: db, count: c, table: idem.NewTestTable(b, db)}
+	w := &benchWorld{db: db, count: c, table: idem.NewPlainTable(b, db)} // the inline SQL needs the plain table; bench_partition_test.go compares layouts
 	w.ledger = "ledger_" + w.table
 	if _, err := db.Exec(`CREATE TABLE ` + w.ledger + ` (
 		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`); err != nil {
@@ -288,6 +288,10 @@ func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s 
 		bad  atomic.Int64
 		last atomic.Int64
 	)
+	if count == nil {
+		count = &benchCounter{} // not counted: no stmts/op
+	}
+	counted := count.n.Load() == 0
 	before := count.n.Load()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
@@ -303,7 +307,9 @@ func benchParallel(b *testing.B, h http.Handler, count *benchCounter, do func(s 
 	if n := bad.Load(); n > 0 {
 		b.Fatalf("%d of %d requests answered %d, want %d", n, b.N, last.Load(), want)
 	}
-	b.ReportMetric(float64(count.n.Load()-before)/float64(b.N), "stmts/op")
+	if n := count.n.Load() - before; n > 0 || !counted {
+		b.ReportMetric(float64(n)/float64(b.N), "stmts/op")
+	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 }
 
@@ -481,6 +487,8 @@ func (c *benchNoopConn) QueryContext(_ context.Context, q string, _ []driver.Nam
 			return &benchNoopRows{cols: benchOneCol}, nil
 		}
 		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{int64(1)}}, nil
+	case strings.Contains(q, "relkind = 'p'"): // the middleware's first claim: is the table partitioned?
+		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{false}}, nil
 	case strings.HasPrefix(q, "SELECT payload_digest"): // the inline lookup
 		return &benchNoopRows{cols: benchLookupCols, row: []driver.Value{cc.digest, int64(201), cc.answer}}, nil
 	}

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pgidem/idem"
@@ -189,4 +190,22 @@ func ExampleMigrate() {
 	_ = db.QueryRow(`SELECT count(*) FROM information_schema.columns WHERE table_name = 'billing_webhooks'`).Scan(&cols)
 	fmt.Println("columns:", cols)
 	// Output: columns: 10
+}
+
+func ExampleMigrateWith() {
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	// A table partitioned by week: the current week's partition and three
+	// ahead. Run it (or idem sweep) at least once a week to keep them ahead.
+	opts := idem.MigrateOptions{Table: "weekly_webhooks", PartitionInterval: 7 * 24 * time.Hour}
+	if err := idem.MigrateWith(context.Background(), db, opts); err != nil {
+		panic(err)
+	}
+	var partitions int
+	_ = db.QueryRow(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'weekly_webhooks'::regclass`).Scan(&partitions)
+	fmt.Println("partitions:", partitions)
+	// Output: partitions: 4
 }

@@ -2,12 +2,17 @@ package idem
 
 // Test helpers shared with the external test package idem_test.
 var (
-	OpenTestDB      = openTestDB
-	NewTestTable    = newTestTable
-	TestDatabaseURL = testDatabaseURL
-	LockID          = lockID
-	OpenDSN         = openDSN
-	DSNOf           = dsnOf
+	OpenTestDB     = openTestDB
+	NewTestTable   = newTestTable
+	NewPlainTable  = newPlainTestTable
+	NewPartitioned = newPartitionedTestTable
+	AddPast        = addPastPartition
+	// PartitionedLayout: the suite runs on partitioned tables (IDEM_LAYOUT).
+	PartitionedLayout = partitionedLayout
+	TestDatabaseURL   = testDatabaseURL
+	LockID            = lockID
+	OpenDSN           = openDSN
+	DSNOf             = dsnOf
 )
 
 // LocalWaiters is how many deliveries wait in m's memory for another

@@ -63,8 +63,10 @@ type Finding struct {
 	Severity Severity
 	// Check names the assertion, stable for alert routing:
 	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
+	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
 	// "expired_leases", "claims_not_visible", "keys_younger_than_horizon",
-	// "overdue_keys".
+	// "overdue_keys", and on a partitioned table "no_current_partition",
+	// "few_partitions_ahead".
 	Check string
 	// What happened, with the numbers.
 	What string
@@ -135,8 +137,13 @@ type Report struct {
 	OldestAge  time.Duration
 	Deleted    int64 // keys deleted since the server's statistics were last reset
 
-	// OverdueRows are keys older than Retention plus OverdueGrace.
+	// OverdueRows are keys older than Retention plus OverdueGrace; on a
+	// partitioned table, the keys of partitions that ended longer ago than
+	// that (the sweep drops a partition once it ended Retention ago).
 	OverdueRows int64
+
+	// Partitioned tables only (docs/partitioning.md).
+	PartitionReport
 
 	// Unanswered counts committed keys without an answer that are not
 	// lease-mode claims; UnansweredKeys lists the oldest 20.
@@ -219,15 +226,19 @@ func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) 
 		if err := tableExists(ctx, tx, t); err != nil {
 			return err
 		}
+		overdueBefore, err := r.PartitionReport.read(ctx, tx, t, r.Retention+r.OverdueGrace)
+		if err != nil {
+			return err
+		}
 		var oldest sql.NullTime
-		err := tx.QueryRowContext(ctx, `SELECT now(), count(*), min(claimed_at),
-       count(*) FILTER (WHERE claimed_at < now() - $1::bigint * interval '1 microsecond'),
+		err = tx.QueryRowContext(ctx, `SELECT now(), count(*), min(claimed_at),
+       count(*) FILTER (WHERE claimed_at < coalesce($3::timestamptz, now() - $1::bigint * interval '1 microsecond')),
        count(*) FILTER (WHERE completed_at IS NULL AND lease_until IS NULL),
        count(*) FILTER (WHERE completed_at IS NULL AND lease_until >= now()),
        count(*) FILTER (WHERE completed_at IS NULL AND lease_until < now()),
-       pg_total_relation_size(to_regclass($2)),
-       coalesce(pg_stat_get_tuples_deleted(to_regclass($2)), 0)
-FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted).
+       (SELECT sum(pg_total_relation_size(relid))::bigint FROM `+treeSQL("$2")+`),
+       (SELECT coalesce(sum(pg_stat_get_tuples_deleted(relid)), 0)::bigint FROM `+treeSQL("$2")+`)
+FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted, overdueBefore).
 			Scan(&r.CheckedAt, &r.Rows, &oldest, &r.OverdueRows, &r.Unanswered, &r.LiveLeases, &r.ExpiredLeases, &r.TableBytes, &r.Deleted)
 		if err != nil {
 			return err
@@ -321,6 +332,8 @@ func findings(r *Report) []Finding {
 			fmt.Sprintf("%d key(s) are older than the retention (%v) plus %v: the sweeper is not running or not keeping up; the oldest key is %v old", r.OverdueRows, r.Retention, r.OverdueGrace, r.OldestAge.Round(time.Second)),
 			"Check that the sweep job runs and succeeds (its logs, the CronJob's last runs). If it stops at its batch cap every time, raise -batch or -max-batches, or run it more often.")
 	}
+	out = append(out, partitionFindings(r)...)
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Severity > out[j].Severity })
 	return out
 }
 
@@ -456,6 +469,11 @@ type TableStats struct {
 	Oldest     time.Time // zero when the table is empty
 	Newest     time.Time
 	TableBytes int64
+	// Partitions lists a partitioned table's partitions, the oldest first,
+	// with their keys; PartitionsAhead counts those wholly after now. Both
+	// are empty on a plain table.
+	Partitions      []PartitionStats
+	PartitionsAhead int
 	// Sources are the busiest sources, by committed keys;
 	// OtherSources counts those left out by MaxSources.
 	Sources      []SourceStats
@@ -464,7 +482,8 @@ type TableStats struct {
 
 // Stats counts the committed keys by source, completed and unanswered, with
 // the oldest and newest key of each, and the claims in flight. Like Check,
-// it reads the whole table once, in one read-only snapshot.
+// it reads the whole table once, in one read-only snapshot (a partitioned
+// table's partitions are then counted once more, one by one).
 func Stats(ctx context.Context, db *sql.DB, opts StatsOptions) (*TableStats, error) {
 	t, err := parseTable(opts.Table)
 	if err != nil {
@@ -533,7 +552,10 @@ SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint,
 			}
 			return a.Source < b.Source
 		})
-		if err := tx.QueryRowContext(ctx, `SELECT pg_total_relation_size(to_regclass($1))`, t.quoted).Scan(&s.TableBytes); err != nil {
+		if err := tx.QueryRowContext(ctx, `SELECT sum(pg_total_relation_size(relid))::bigint FROM `+treeSQL("$1"), t.quoted).Scan(&s.TableBytes); err != nil {
+			return err
+		}
+		if err := s.readPartitions(ctx, tx, t); err != nil {
 			return err
 		}
 		claims, err := inFlightClaims(ctx, tx, t)

@@ -256,7 +256,7 @@ func TestCheckSaysWhenItCannotSeeTheClaims(t *testing.T) {
 func TestCheckFindsKeysOverdueForTheSweeper(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	insertKeys(t, db, table, "overdue_", 3, 30*day+2*time.Hour)
 	insertKeys(t, db, table, "in_grace_", 2, 30*day+30*time.Minute)
 	insertKeys(t, db, table, "fresh_", 2, time.Hour)
@@ -278,7 +278,7 @@ func TestCheckFindsKeysDeletedYoungerThanTheHorizon(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	insertKeys(t, db, table, "k", 5, time.Hour)
 
 	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})

@@ -47,11 +47,24 @@ func newFixture(t testing.TB, opts idem.Options, inner http.Handler) *fixture {
 // through pool (a small pool, or one behind a cutProxy).
 func newFixtureOn(t testing.TB, pool *sql.DB, opts idem.Options, inner http.Handler) *fixture {
 	t.Helper()
+	return buildFixture(t, pool, opts, inner, idem.NewTestTable)
+}
+
+// newPlainFixture is newFixture on a plain table whatever IDEM_LAYOUT says:
+// for the row-by-row sweep, whose tests date keys back one by one.
+func newPlainFixture(t testing.TB, opts idem.Options, inner http.Handler) *fixture {
+	t.Helper()
+	return buildFixture(t, nil, opts, inner, idem.NewPlainTable)
+}
+
+// buildFixture is newFixtureOn with the table made by newTable.
+func buildFixture(t testing.TB, pool *sql.DB, opts idem.Options, inner http.Handler, newTable func(testing.TB, *sql.DB) string) *fixture {
+	t.Helper()
 	f := &fixture{t: t, db: idem.OpenTestDB(t)}
 	if pool == nil {
 		pool = f.db
 	}
-	f.table = idem.NewTestTable(t, f.db)
+	f.table = newTable(t, f.db)
 	f.ledger = "ledger_" + f.table
 	_, err := f.db.Exec(`CREATE TABLE ` + f.ledger + ` (
 		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`)

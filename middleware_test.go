@@ -581,6 +581,7 @@ func TestSerializationFailuresInTheClaimAreRetried(t *testing.T) {
 		{"serialization failures every time", "40001", 100, http.StatusConflict, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			needsClaimInsert(t)
 			f := newFixture(t, claimFirst(idem.Options{}), nil)
 			// A trigger makes the real server fail the claim's INSERT with the
 			// SQLSTATE under test, the first N times.

@@ -181,7 +181,7 @@ func TestIdempgxNewNeedsNoServer(t *testing.T) {
 // pool's connections, and they see the keys idempgx stored.
 func TestOperationsFromAPgxPool(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idem.Options{}, nil)
+	f := newPlainFixture(t, idem.Options{}, nil) // the row-by-row sweep; partition_test.go sweeps partitions
 	pool := pgxPoolFor(t, f.db)
 	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table})
 	require.NoError(t, err)

@@ -1,5 +1,9 @@
 -- The idempotency table. {{.Table}} and {{.ClaimedIndex}} are quoted
 -- identifiers filled in by Migrate; every statement is safe to run again.
+-- .Partitioned is set when Migrate creates a partitioned table
+-- (docs/partitioning.md): range-partitioned on claimed_at, without a primary
+-- key on the parent, since one would have to include claimed_at; each
+-- partition gets its own PRIMARY KEY (source, event_id) (partition.go).
 -- A later change to the schema is added below as another idempotent
 -- statement (ALTER TABLE ... ADD COLUMN IF NOT EXISTS, CREATE INDEX IF NOT
 -- EXISTS), so the same Migrate creates a new table and updates an old one.
@@ -17,9 +21,9 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     response_headers jsonb,                -- allow-listed headers, {"Name": ["v"]}
     response_body    bytea,                -- the exact bytes answered
     claimed_at       timestamptz NOT NULL DEFAULT now(),
-    completed_at     timestamptz,
-    PRIMARY KEY (source, event_id)
-);
+    completed_at     timestamptz{{if not .Partitioned}},
+    PRIMARY KEY (source, event_id){{end}}
+){{if .Partitioned}} PARTITION BY RANGE (claimed_at){{end}};
 
 -- Retention sweeps and health checks range over claimed_at, which only ever
 -- grows with insertion order: a BRIN index costs almost nothing to keep and

@@ -312,6 +312,9 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		}, http.StatusInternalServerError},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			if strings.HasPrefix(tc.name, "the claim ") {
+				needsClaimInsert(t)
+			}
 			var f *fixture
 			f = newFixture(t, claimFirst(idem.Options{}), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if tc.inner != nil {

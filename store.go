@@ -77,26 +77,47 @@ func quoteIdent(s string) string {
 // Migrate creates the idempotency table and its index if they do not exist.
 // table "" means DefaultTable; "schema.name" places it in an existing schema.
 // It is safe to run twice, and from several processes at once: the DDL runs
-// in one transaction under a transaction-level advisory lock.
+// in one transaction under a transaction-level advisory lock. On a
+// partitioned table it also keeps partitions ready ahead, as MigrateWith
+// does.
 func Migrate(ctx context.Context, db *sql.DB, table string) error {
-	t, err := parseTable(table)
+	return MigrateWith(ctx, db, MigrateOptions{Table: table})
+}
+
+// MigrateWith is Migrate with options: with PartitionInterval set, it
+// creates the table partitioned (see MigrateOptions and
+// docs/partitioning.md).
+func MigrateWith(ctx context.Context, db *sql.DB, opts MigrateOptions) error {
+	t, err := parseTable(opts.Table)
 	if err != nil {
 		return err
 	}
-	var ddl strings.Builder
-	if err := schemaTmpl.Execute(&ddl, map[string]string{"Table": t.quoted, "ClaimedIndex": t.index}); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+	if err := opts.validate(); err != nil {
+		return err
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", lockID("idem-migrate", t.name, "")); err != nil {
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock(t)); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
+	}
+	partitioned, err := migrateLayout(ctx, tx, t, opts)
+	if err != nil {
+		return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+	}
+	var ddl strings.Builder
+	if err := schemaTmpl.Execute(&ddl, map[string]any{"Table": t.quoted, "ClaimedIndex": t.index, "Partitioned": partitioned}); err != nil {
 		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	for _, stmt := range splitStatements(ddl.String()) {
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
+	}
+	if partitioned {
+		if _, err := ensurePartitions(ctx, tx, t, opts.PartitionInterval, opts.ahead()); err != nil {
 			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
 		}
 	}
@@ -105,6 +126,10 @@ func Migrate(ctx context.Context, db *sql.DB, table string) error {
 	}
 	return nil
 }
+
+// migrateLock is the advisory lock under which Migrate changes the table
+// (and the sweep adds partitions).
+func migrateLock(t table) int64 { return lockID("idem-migrate", t.name, "") }
 
 // splitStatements splits the schema file on semicolons at line ends and
 // drops comment-only pieces. The schema has no semicolons inside literals.

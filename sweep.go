@@ -86,6 +86,11 @@ type SweepOptions struct {
 	// run of RunSweeper) with its result and error, for metrics. It runs on
 	// the sweeping goroutine: keep it fast.
 	Observer func(SweepResult, error)
+
+	// PartitionsAhead is how many partitions after the current one a sweep
+	// of a partitioned table keeps ready (see MigrateOptions). 0 means
+	// DefaultPartitionsAhead (3).
+	PartitionsAhead int
 }
 
 // SweepResult is what one Sweep did.
@@ -94,6 +99,11 @@ type SweepResult struct {
 	Batches  int           // delete transactions run, the last one included even when it found nothing
 	Capped   bool          // the run stopped at MaxBatches after a full batch: expired keys may remain
 	Duration time.Duration // from the start of the first batch to the end of the run
+
+	// On a partitioned table, expired keys go with their partitions, and
+	// Batches is 0: PartitionsDropped counts the partitions dropped (their
+	// keys are in Removed), PartitionsCreated those added ahead.
+	PartitionsDropped, PartitionsCreated int
 }
 
 // sweeper is a validated SweepOptions.
@@ -106,6 +116,7 @@ type sweeper struct {
 	pause      time.Duration
 	logger     *slog.Logger
 	observer   func(SweepResult, error)
+	ahead      int // partitions kept ready ahead, on a partitioned table
 }
 
 func newSweeper(opts SweepOptions) (*sweeper, error) {
@@ -121,6 +132,10 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 		pause:      opts.Pause,
 		logger:     opts.Logger,
 		observer:   opts.Observer,
+		ahead:      MigrateOptions{PartitionsAhead: opts.PartitionsAhead}.ahead(),
+	}
+	if opts.PartitionsAhead < 0 {
+		return nil, fmt.Errorf("idem: sweep: partitions ahead %d is negative", opts.PartitionsAhead)
 	}
 	switch {
 	case s.retention == 0:
@@ -195,6 +210,11 @@ func (s *sweeper) run(ctx context.Context, db *sql.DB) (res SweepResult, err err
 		res.Duration = time.Since(start)
 		s.report(ctx, res, err)
 	}()
+	if kind, err := relKind(ctx, db, s.table); err != nil {
+		return res, fmt.Errorf("idem: sweep %s: %w", s.table.name, err)
+	} else if kind == 'p' {
+		return s.runPartitions(ctx, db)
+	}
 	for res.Batches < s.maxBatches {
 		if res.Batches > 0 && s.pause > 0 {
 			if err := sleep(ctx, s.pause); err != nil {
@@ -238,6 +258,9 @@ func (s *sweeper) report(ctx context.Context, res SweepResult, err error) {
 		slog.Bool("capped", res.Capped),
 		slog.Duration("retention", s.retention),
 		slog.Duration("duration", res.Duration),
+	}
+	if res.PartitionsDropped+res.PartitionsCreated > 0 {
+		attrs = append(attrs, slog.Int("partitions_dropped", res.PartitionsDropped), slog.Int("partitions_created", res.PartitionsCreated))
 	}
 	switch {
 	case err != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()):

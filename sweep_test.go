@@ -95,7 +95,7 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 	// a claim in flight that would be expired if it were visible.
 	entered, release := make(chan struct{}), make(chan struct{})
 	var f *fixture
-	f = newFixture(t, idem.Options{HandlerTimeout: 5 * time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	f = newPlainFixture(t, idem.Options{HandlerTimeout: 5 * time.Minute}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if k, _ := idem.KeyFromContext(r.Context()); k.EventID == "inflight_old" {
 			tx, _ := txFrom(r.Context())
 			_, err := tx.ExecContext(r.Context(), `UPDATE "`+f.table+`" SET claimed_at = now() - interval '60 days'
@@ -244,7 +244,7 @@ func TestSweepRemovesExpiredKeysInBoundedBatchesWhileClaimsSucceed(t *testing.T)
 func TestSweepStopsAtTheBatchCapAndTheNextRunGoesOn(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	insertKeys(t, db, table, "old_", 25, 31*day)
 	opts := idem.SweepOptions{Table: table, BatchSize: 10, MaxBatches: 2, Pause: -1}
 
@@ -270,7 +270,7 @@ func TestSweepValidatesItsOptions(t *testing.T) {
 	ctx := context.Background()
 
 	t.Run("the default retention is 30 days", func(t *testing.T) {
-		table := idem.NewTestTable(t, db)
+		table := idem.NewPlainTable(t, db)
 		insertKeys(t, db, table, "d29_", 3, 29*day)
 		insertKeys(t, db, table, "d31_", 2, 31*day)
 		res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: table, Pause: -1})
@@ -280,7 +280,7 @@ func TestSweepValidatesItsOptions(t *testing.T) {
 	})
 
 	t.Run("a retention under 72h is refused, and the error says why", func(t *testing.T) {
-		table := idem.NewTestTable(t, db)
+		table := idem.NewPlainTable(t, db)
 		insertKeys(t, db, table, "k", 1, 71*time.Hour+time.Minute)
 		_, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: table, Retention: 71 * time.Hour})
 		require.ErrorIs(t, err, idem.ErrUnsafeRetention)
@@ -291,7 +291,7 @@ func TestSweepValidatesItsOptions(t *testing.T) {
 	})
 
 	t.Run("a short retention is accepted with UnsafeShortRetention", func(t *testing.T) {
-		table := idem.NewTestTable(t, db)
+		table := idem.NewPlainTable(t, db)
 		insertKeys(t, db, table, "h2_", 1, 2*time.Hour)
 		insertKeys(t, db, table, "now_", 1, 0)
 		res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: table, Retention: time.Hour, UnsafeShortRetention: true, Pause: -1})
@@ -334,7 +334,7 @@ func (h cancelOnBatch) Handle(_ context.Context, r slog.Record) error {
 func TestSweepStopsDuringThePauseWhenCanceled(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	insertKeys(t, db, table, "old_", 30, 31*day)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -398,7 +398,7 @@ func startSweeper(t *testing.T, db *sql.DB, opts idem.SweepOptions, interval tim
 func TestRunSweeperSweepsEveryIntervalUntilCanceled(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	insertKeys(t, db, table, "first_", 7, 31*day)
 	var logs logBuffer
 	logger := slog.New(slog.NewJSONHandler(&logs, nil))
@@ -455,7 +455,7 @@ func TestRunSweeperKeepsGoingAfterAFailedRun(t *testing.T) {
 func TestRunSweeperStopsWhileWaitingForTheNextRun(t *testing.T) {
 	t.Parallel()
 	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
+	table := idem.NewPlainTable(t, db)
 	runs, stop := startSweeper(t, db, idem.SweepOptions{Table: table}, time.Hour)
 	require.NoError(t, (<-runs).err)
 	require.NoError(t, stop(), "the hour's wait ends with the context")

@@ -30,7 +30,7 @@ func TestSweepDuringStormDeletesNoLiveKey(t *testing.T) {
 	)
 	entered, release := make(chan struct{}, inflight), make(chan struct{})
 	var f *fixture
-	f = newFixture(t, idem.Options{LockWait: 200 * time.Millisecond, HandlerTimeout: 5 * time.Minute},
+	f = newPlainFixture(t, idem.Options{LockWait: 200 * time.Millisecond, HandlerTimeout: 5 * time.Minute},
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			k, _ := idem.KeyFromContext(r.Context())
 			var n int

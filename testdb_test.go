@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/pgidem/idem/internal/testdb"
 	"go.uber.org/goleak"
@@ -32,6 +33,12 @@ func TestMain(m *testing.M) {
 	case "", "sql", "pgx":
 	default:
 		fmt.Fprintln(os.Stderr, "idem tests: IDEM_ADAPTER must be sql or pgx, not", a)
+		os.Exit(2)
+	}
+	switch l := os.Getenv("IDEM_LAYOUT"); l {
+	case "", "plain", "partitioned":
+	default:
+		fmt.Fprintln(os.Stderr, "idem tests: IDEM_LAYOUT must be plain or partitioned, not", l)
 		os.Exit(2)
 	}
 	// A nil Options.Logger logs to slog.Default(): keep the suite's
@@ -118,12 +125,69 @@ func openTestDB(t testing.TB) *sql.DB {
 	return db
 }
 
-// newTestTable migrates a fresh idempotency table for one test.
+// partitionedLayout: IDEM_LAYOUT=partitioned makes newTestTable create
+// partitioned tables, so that the behaviour suite runs on that layout too
+// (scripts/test.sh runs it once so).
+var partitionedLayout = os.Getenv("IDEM_LAYOUT") == "partitioned"
+
+// newTestTable migrates a fresh idempotency table for one test, in the
+// suite's layout (IDEM_LAYOUT). A partitioned one has daily partitions and
+// one more for everything before them, so that tests can date keys back.
 func newTestTable(t testing.TB, db *sql.DB) string {
+	t.Helper()
+	if partitionedLayout {
+		return newPartitionedTestTable(t, db, 24*time.Hour)
+	}
+	return newPlainTestTable(t, db)
+}
+
+// newPlainTestTable migrates a fresh plain table, whatever IDEM_LAYOUT says:
+// for the tests of the row-by-row sweep and of its health checks.
+func newPlainTestTable(t testing.TB, db *sql.DB) string {
 	t.Helper()
 	name := fmt.Sprintf("idem_%d", tableSeq.Add(1))
 	if err := Migrate(context.Background(), db, name); err != nil {
 		t.Fatal(err)
 	}
 	return name
+}
+
+// newPartitionedTestTable migrates a fresh table partitioned by interval,
+// with a partition for everything before the current one.
+func newPartitionedTestTable(t testing.TB, db *sql.DB, interval time.Duration) string {
+	t.Helper()
+	name := fmt.Sprintf("idem_%d", tableSeq.Add(1))
+	ctx := context.Background()
+	if err := MigrateWith(ctx, db, MigrateOptions{Table: name, PartitionInterval: interval}); err != nil {
+		t.Fatal(err)
+	}
+	if err := addPastPartition(ctx, db, name); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// addPastPartition adds a partition from MINVALUE to the lowest partition
+// of the table name, for keys dated back.
+func addPastPartition(ctx context.Context, db *sql.DB, name string) error {
+	tbl, err := parseTable(name)
+	if err != nil {
+		return err
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	parts, err := listPartitions(ctx, tx, tbl)
+	if err != nil {
+		return err
+	}
+	if len(parts) == 0 || parts[0].From.IsZero() {
+		return fmt.Errorf("table %s: no partitions, or one from MINVALUE already", name)
+	}
+	if err := createPartition(ctx, tx, tbl, time.Time{}, parts[0].From); err != nil {
+		return err
+	}
+	return tx.Commit()
 }

@@ -90,9 +90,16 @@ func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
 // Migrate creates the idempotency table and its index if they do not
 // exist, as idem.Migrate does, through pool.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, table string) error {
+	return MigrateWith(ctx, pool, idem.MigrateOptions{Table: table})
+}
+
+// MigrateWith is idem.MigrateWith through pool: with
+// opts.PartitionInterval set, it creates the table partitioned
+// (docs/partitioning.md).
+func MigrateWith(ctx context.Context, pool *pgxpool.Pool, opts idem.MigrateOptions) error {
 	db := stdlib.OpenDBFromPool(pool) // closing it leaves the pool open
 	defer db.Close()
-	return idem.Migrate(ctx, db, table)
+	return idem.MigrateWith(ctx, db, opts)
 }
 
 // txOptions are pgx's options for database/sql's, as pgx's database/sql
@@ -137,8 +144,10 @@ type pgxDriver struct {
 	// lock and reads its row, and the completed row is inserted at the end,
 	// with the answer. Under REPEATABLE READ or SERIALIZABLE a statement's
 	// snapshot can predate the lock, so the claim inserts the key first and
-	// the answer is an UPDATE, as on database/sql.
+	// the answer is an UPDATE, as on database/sql; a partitioned table
+	// (found out on the first claim) refuses such claims.
 	lockFirst bool
+	layout    driver.Layout
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
@@ -150,6 +159,11 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // and the claim's INSERT, then, for a duplicate, the lookup with ROLLBACK.
 // Either way a first replay costs two round trips.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	if !d.lockFirst {
+		if err := d.refusePartitioned(ctx); err != nil {
+			return nil, driver.Begun{}, err
+		}
+	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
@@ -165,10 +179,36 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
+		if sqlState(err) == driver.NoConflictTarget {
+			d.layout.Forget() // the table became partitioned: ask again
+		}
 		_ = t.Rollback(ctx)
 		return nil, driver.Begun{}, err
 	}
 	return t, begun, nil
+}
+
+// refusePartitioned fails claims that insert the key first on a
+// partitioned table, where ON CONFLICT sees one partition only and the
+// snapshot of REPEATABLE READ or SERIALIZABLE predates the key's lock. At
+// READ COMMITTED the lock-first claim serves both layouts, unasked.
+func (d *pgxDriver) refusePartitioned(ctx context.Context) error {
+	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
+	if err == nil && partitioned {
+		err = driver.ErrPartitionedIsolation
+	}
+	return err
+}
+
+// askPartitioned asks whether the table is partitioned; nil when it does
+// not exist.
+func (d *pgxDriver) askPartitioned(ctx context.Context) (*bool, error) {
+	var p *bool
+	err := d.pool.QueryRow(ctx, driver.PartitionedSQL, d.q.Table).Scan(&p)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	return p, err
 }
 
 // lockAndRead takes the key's lock without waiting and reads its row, in
@@ -283,10 +323,15 @@ type claimTx struct {
 // front when no transaction is open, and reads BEGIN's result. The caller
 // reads the rest and closes the results.
 func (t *claimTx) send(ctx context.Context, queue func(*pgx.Batch)) (pgx.BatchResults, error) {
+	return t.sendWith(ctx, t.d.begin, queue)
+}
+
+// sendWith is send, with BEGIN's options.
+func (t *claimTx) sendWith(ctx context.Context, begin pgx.TxOptions, queue func(*pgx.Batch)) (pgx.BatchResults, error) {
 	var b pgx.Batch
 	begins := !t.open
 	if begins {
-		b.BeginTx(t.d.begin)
+		b.BeginTx(begin)
 	}
 	queue(&b)
 	br := t.c.SendBatch(ctx, &b)
@@ -449,6 +494,12 @@ func (t *claimTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
 // ClaimLease claims the key in lease mode: one statement, committed on its
 // own; when it claims nothing, the lookup follows.
 func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
+	if partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil || partitioned {
+		if err != nil {
+			return driver.Lease{}, err
+		}
+		return d.claimLeaseLockFirst(ctx, a, lease, token)
+	}
 	var l driver.Lease
 	err := d.pool.QueryRow(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token, driver.LockTimeout(wait)).Scan(&l.TookOver)
 	switch {
@@ -460,6 +511,58 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 	}
 	l.Row, err = scanRow(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	return l, err
+}
+
+// claimLeaseLockFirst is the lease-mode claim on a partitioned table: BEGIN
+// (READ COMMITTED) with the key's lock taken without waiting, then, with a
+// new statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead)
+// with COMMIT: two round trips.
+func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	conn, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return driver.Lease{}, err
+	}
+	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	defer func() { _ = t.Rollback(ctx) }()
+	var l driver.Lease
+	br, err := t.sendWith(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(b *pgx.Batch) { b.Queue(d.q.TryLock, a.Lock) })
+	if err == nil {
+		err = br.QueryRow().Scan(&l.Row.GotLock)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return driver.Lease{}, err
+	}
+	var b pgx.Batch
+	b.Queue(d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token)
+	b.Queue("COMMIT")
+	br = t.c.SendBatch(context.WithoutCancel(ctx), &b) // a COMMIT is never cancelled (commitWith)
+	var (
+		took, done *bool
+		status     *int32
+	)
+	err = br.QueryRow().Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLive)
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return driver.Lease{}, err
+	}
+	t.open = false
+	l.Row.Visible = l.Row.Digest != nil
+	l.Row.Completed = done != nil && *done
+	if status != nil {
+		l.Row.Status = int(*status)
+	}
+	if took != nil {
+		l.Won, l.TookOver, l.Token = true, *took, token
+	}
+	return l, nil
 }
 
 // BeginLease begins a lease-mode handler's transaction on a connection held

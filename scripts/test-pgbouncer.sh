@@ -119,3 +119,11 @@ if ! IDEM_ADAPTER=pgx go test -race -count=1 -timeout 5m .; then
   tail -n 50 "$dir/pgbouncer.log" >&2 || true
   exit 1
 fi
+# And on partitioned tables (docs/partitioning.md): the sweep detaches
+# partitions CONCURRENTLY, one statement, which transaction pooling allows.
+echo "== the behaviour suite on partitioned tables (IDEM_LAYOUT=partitioned)"
+if ! IDEM_LAYOUT=partitioned go test -race -count=1 -timeout 5m .; then
+  echo "test-pgbouncer: partitioned-table tests failed through PgBouncer; its log:" >&2
+  tail -n 50 "$dir/pgbouncer.log" >&2 || true
+  exit 1
+fi

@@ -11,6 +11,13 @@ go test -race -count=1 ./...
 echo "== root module: the behaviour suite on the pgx adapter (IDEM_ADAPTER=pgx)"
 IDEM_ADAPTER=pgx go test -race -count=1 .
 
+# The behaviour suite again on partitioned tables (docs/partitioning.md):
+# every test table range-partitioned by day, on both adapters.
+echo "== root module: the behaviour suite on partitioned tables (IDEM_LAYOUT=partitioned), both adapters"
+for a in sql pgx; do
+  IDEM_ADAPTER=$a IDEM_LAYOUT=partitioned go test -race -count=1 .
+done
+
 # The waiting-duplicates cases depend on timing: run them repeatedly, on
 # both adapters, so that a lucky pass cannot hide a race.
 echo "== waiting duplicates, 5 times on each adapter"

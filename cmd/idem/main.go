@@ -2,6 +2,7 @@
 // or a Kubernetes CronJob:
 //
 //	idem migrate                         create or update the table
+//	idem migrate -partition-interval 24h create it partitioned by day (docs/partitioning.md)
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
 //	idem stats                           keys by source, completed and in flight
@@ -148,9 +149,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return code
 }
 
-func migrateFlags(*flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+func migrateFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+	interval := fs.Duration("partition-interval", 0, "create the table range-partitioned on claimed_at, one partition per interval (whole hours; 24h: one per UTC day); on a partitioned table, the interval of the partitions added from now on (default: that of its newest partition)")
+	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
-		if err := idem.Migrate(ctx, db, table); err != nil {
+		if *ahead <= 0 {
+			return 0, errors.New("-partitions-ahead must be positive")
+		}
+		err := idem.MigrateWith(ctx, db, idem.MigrateOptions{Table: table, PartitionInterval: *interval, PartitionsAhead: *ahead})
+		if err != nil {
 			return 0, err
 		}
 		fmt.Fprintf(stdout, "table %q is up to date\n", table)
@@ -164,15 +171,18 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 	batch := fs.Int("batch", idem.DefaultSweepBatch, "the most keys one transaction deletes")
 	maxBatches := fs.Int("max-batches", idem.DefaultSweepMaxBatches, "the most batches of this run")
 	pause := fs.Duration("pause", idem.DefaultSweepPause, "the pause between batches (0: none)")
+	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
 		opts := idem.SweepOptions{
 			Table: table, Retention: *retention, UnsafeShortRetention: *unsafe,
-			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause,
+			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause, PartitionsAhead: *ahead,
 			Logger: slog.New(slog.DiscardHandler), // the command prints its own summary
 		}
 		switch {
 		case *retention == 0:
 			return 0, errors.New("-retention must be positive")
+		case *ahead <= 0:
+			return 0, errors.New("-partitions-ahead must be positive")
 		case *batch == 0, *maxBatches == 0:
 			return 0, errors.New("-batch and -max-batches must be positive")
 		case *pause == 0:
@@ -181,6 +191,11 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		res, err := idem.Sweep(ctx, db, opts)
 		line := fmt.Sprintf("removed %d expired keys from %q in %d %s (retention %v, %v)",
 			res.Removed, table, res.Batches, plural(res.Batches, "batch", "batches"), *retention, res.Duration.Round(time.Millisecond))
+		if res.PartitionsDropped+res.PartitionsCreated > 0 || res.Batches == 0 {
+			line = fmt.Sprintf("removed %d expired keys from %q by dropping %d %s, added %d ahead (retention %v, %v)",
+				res.Removed, table, res.PartitionsDropped, plural(res.PartitionsDropped, "partition", "partitions"),
+				res.PartitionsCreated, *retention, res.Duration.Round(time.Millisecond))
+		}
 		if res.Capped {
 			line += fmt.Sprintf("; stopped at -max-batches %d: expired keys remain, run again or raise -batch or -max-batches", *maxBatches)
 		}
@@ -232,6 +247,13 @@ func printReport(w io.Writer, r *idem.Report) {
 			r.OldestKey.UTC().Format(time.RFC3339), age(r.OldestAge), age(r.Horizon), age(r.Retention))
 	}
 	fmt.Fprintf(w, "overdue keys: %d (older than the retention plus %v)\n", r.OverdueRows, r.OverdueGrace)
+	if r.Partitioned {
+		current := r.CurrentPartition
+		if current == "" {
+			current = "none"
+		}
+		fmt.Fprintf(w, "partitions: %d (current: %s; %d ready ahead, until %s)\n", r.Partitions, current, r.PartitionsAhead, stampOrNone(r.PartitionedUntil))
+	}
 	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
 	fmt.Fprintf(w, "leases: %d live, %d expired (lease mode: handlers at work, and crashed originals awaiting a redelivery)\n", r.LiveLeases, r.ExpiredLeases)
 	fmt.Fprintf(w, "claims in flight: %d (stuck: %d, in flight for longer than %v)\n", r.InFlight, len(r.Stuck), r.StuckAfter)
@@ -275,6 +297,15 @@ func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		if s.Rows > 0 {
 			fmt.Fprintf(stdout, "oldest key: %s\nnewest key: %s\n", stamp(s.Oldest), stamp(s.Newest))
 		}
+		if len(s.Partitions) > 0 {
+			fmt.Fprintf(stdout, "partitions: %d (%d ready ahead)\n\n", len(s.Partitions), s.PartitionsAhead)
+			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "PARTITION\tFROM\tTO\tKEYS\tSIZE")
+			for _, p := range s.Partitions {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\n", p.Name, stampOrNone(p.From), stampOrNone(p.To), p.Rows, size(p.Bytes))
+			}
+			_ = tw.Flush()
+		}
 		if len(s.Sources) == 0 {
 			return exitOK, nil
 		}
@@ -314,6 +345,14 @@ func capitalize(s string) string {
 }
 
 func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }
+
+// stampOrNone is stamp, or "-" for an unbounded partition bound.
+func stampOrNone(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return stamp(t)
+}
 
 // age renders a duration in days and hours from two days up.
 func age(d time.Duration) string {

@@ -330,4 +330,30 @@ func TestCLI(t *testing.T) {
 		r = c.run(testURL, "stats", "-table", table, "-sources", "1")
 		assert.Contains(t, r.stdout, "(and 1 more sources; see -sources)")
 	})
+
+	t.Run("a partitioned table: migrate, sweep, check and stats", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := fmt.Sprintf("cmd_part_%d", tableSeq.Add(1))
+		for range 2 {
+			r := c.run(testURL, "migrate", "-table", table, "-partition-interval", "24h")
+			require.Equal(t, 0, r.code, "%+v", r)
+		}
+		assertOneLineError(t, c.run(testURL, "migrate", "-table", c.table(), "-partition-interval", "24h"), "idem migrate: ", "not partitioned", "docs/partitioning.md")
+		assertOneLineError(t, c.run(testURL, "migrate", "-table", table, "-partition-interval", "90m"), "idem migrate: ", "whole number of hours")
+		insert(t, table, "a", 3, 0, false) // now: the current partition
+
+		r := c.run(testURL, "sweep", "-table", table, "-partitions-ahead", "5")
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, fmt.Sprintf("removed 0 expired keys from %q by dropping 0 partitions, added 2 ahead", table))
+
+		r = c.run(testURL, "check", "-table", table)
+		require.Equal(t, exitOK, r.code, "%+v", r)
+		assert.Regexp(t, `partitions: 6 \(current: `+table+`_p\d{8}_0000; 5 ready ahead, until `, r.stdout)
+
+		r = c.run(testURL, "stats", "-table", table)
+		require.Equal(t, 0, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "partitions: 6 (5 ready ahead)")
+		assert.Regexp(t, `(?m)^`+table+`_p\d{8}_0000\s+\S+\s+\S+\s+3\s`, r.stdout, "the current partition holds the 3 keys")
+	})
 }

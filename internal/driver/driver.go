@@ -159,6 +159,13 @@ type Queries struct {
 	// for a pipelined COMMIT), the release; TakeOver is the
 	// single-transaction claim of a key whose lease ran out.
 	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, KeepClaim, TakeOver string
+	// Table is the quoted table name, the argument of PartitionedSQL.
+	// ClaimOrRead is the database/sql claim on a partitioned table, sent
+	// after TryLock: layout.go.
+	Table, ClaimOrRead string
+	// ClaimLeaseOrRead is the lease-mode claim on a partitioned table,
+	// sent after TryLock: layout.go.
+	ClaimLeaseOrRead string
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
@@ -174,6 +181,9 @@ WHERE source = $1 AND event_id = $2 AND lease_token = $6 AND completed_at IS NUL
 SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
 WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
 	return Queries{
+		Table:            q,
+		ClaimOrRead:      claimOrRead(q),
+		ClaimLeaseOrRead: claimLeaseOrRead(q),
 		// The claim decides in one statement: the INSERT runs only if the
 		// key's advisory lock is free, taken without waiting. A claim in
 		// flight holds that lock until its transaction ends, so a duplicate
@@ -194,7 +204,7 @@ RETURNING true`,
 		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
        r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
 FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
 		// The lookup after a wait, which gives the transaction back the
 		// lock_timeout it had before: the claim may go on to run the
@@ -203,7 +213,7 @@ LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
        r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false),
        set_config('lock_timeout', $4, true)
 FROM (VALUES (1)) AS one
-LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2`,
+LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
 		// Wait for the claim in flight to end, at most lock_timeout: it is
 		// set for this transaction only, before the lock is requested, and
@@ -218,7 +228,7 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
 		Read: `SELECT r.payload_digest, r.response_status, r.response_headers, r.response_body, r.completed_at IS NOT NULL,
        r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
-FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2`,
+FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2` + notAhead("r."),
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,
 

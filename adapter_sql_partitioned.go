@@ -1,0 +1,126 @@
+package idem
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"time"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// The database/sql adapter on a partitioned table (docs/partitioning.md):
+// ON CONFLICT would see one partition only, so the claim takes the key's
+// lock first, with a statement of its own, and then, with a new statement
+// whose snapshot comes after the lock, looks for the key in every partition
+// and inserts the claim if there is none (driver.Queries.ClaimOrRead). The
+// answer is stored by the same UPDATE as on a plain table.
+
+// askPartitioned asks whether the table is partitioned; nil when it does
+// not exist.
+func (d *sqlDriver) askPartitioned(ctx context.Context) (*bool, error) {
+	var p sql.NullBool
+	err := d.db.QueryRowContext(ctx, driver.PartitionedSQL, d.q.Table).Scan(&p)
+	if errors.Is(err, sql.ErrNoRows) || (err == nil && !p.Valid) {
+		return nil, nil
+	}
+	return &p.Bool, err
+}
+
+// lockFirstOptions are d's transaction options for lock-first claims: READ
+// COMMITTED stated in BEGIN (whatever the server's default), or
+// driver.ErrPartitionedIsolation for a higher level.
+func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
+	o := sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	if d.opts != nil {
+		switch d.opts.Isolation {
+		case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted:
+		default:
+			return nil, driver.ErrPartitionedIsolation
+		}
+		o.ReadOnly = d.opts.ReadOnly
+	}
+	return &o, nil
+}
+
+// beginLockFirst begins a transaction, takes the key's lock without
+// waiting, and claims the key or reads its row with a new statement.
+func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	opts, err := d.lockFirstOptions()
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts) // see begin
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	t := &sqlTx{tx: tx, q: &d.q, lockFirst: true}
+	var locked bool
+	err = tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&locked)
+	var b driver.Begun
+	if err == nil {
+		b, err = t.claimOrRead(ctx, a, locked)
+	}
+	if err != nil {
+		_ = tx.Rollback()
+		return nil, driver.Begun{}, err
+	}
+	return t, b, nil
+}
+
+// claimOrRead sends ClaimOrRead: the claim when locked and no partition
+// holds the key, else the key's row, if any.
+func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
+	var (
+		b      = driver.Begun{Row: driver.Row{GotLock: locked}}
+		status sql.NullInt32
+		done   sql.NullBool
+	)
+	err := t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked).
+		Scan(&b.Won, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive)
+	b.Row.Visible = b.Row.Digest != nil
+	b.Row.Completed = done.Valid && done.Bool
+	b.Row.Status = int(status.Int32)
+	return b, err
+}
+
+// claimLeaseLockFirst is the lease-mode claim on a partitioned table: in a
+// transaction of its own, the key's lock without waiting, then, with a new
+// statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead),
+// then COMMIT.
+func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	// READ COMMITTED whatever TxOptions say: this transaction only claims,
+	// and its second statement must see what committed before the lock.
+	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: sql.LevelReadCommitted}) // see begin
+	if err != nil {
+		return driver.Lease{}, err
+	}
+	defer func() { _ = tx.Rollback() }()
+	var l driver.Lease
+	if err := tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&l.Row.GotLock); err != nil {
+		return l, err
+	}
+	var (
+		took   sql.NullBool
+		status sql.NullInt32
+		done   sql.NullBool
+	)
+	err = tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token).
+		Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLive)
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err == nil {
+		err = tx.Commit()
+	}
+	if err != nil {
+		return driver.Lease{}, err
+	}
+	l.Row.Visible = l.Row.Digest != nil
+	l.Row.Completed = done.Valid && done.Bool
+	l.Row.Status = int(status.Int32)
+	if took.Valid {
+		l.Won, l.TookOver, l.Token = true, took.Bool, token
+	}
+	return l, nil
+}

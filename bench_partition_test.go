@@ -1,0 +1,158 @@
+package idem_test
+
+// Claims on a partitioned table beside the same claims on a plain one
+// (docs/partitioning.md, "What it costs"):
+//
+//	BenchmarkPartitionedTable/path={new,dup}/adapter={sql,pgx}/layout={plain,daily,weekly}
+//
+// The tables hold the same 300,000 completed keys spread over the last 30
+// days: plain; daily, with a partition per day (30 of them, the current
+// day's and 3 ahead: 34, so every claim looks for its key in 31, the ones
+// ahead being skipped); weekly, with a partition per week (5 for the 30
+// days, the current week's and 3 ahead: every claim looks in 6). path=new sends keys never seen; path=dup redelivers completed
+// keys with the replay cache off, so every one asks PostgreSQL. Run it in
+// rounds, so that the layouts take turns on a busy machine:
+//
+//	COUNT=6 BENCH=PartitionedTable scripts/bench.sh
+
+import (
+	"context"
+	"database/sql"
+	"flag"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idempgx"
+	"github.com/pgidem/idem/internal/benchref"
+)
+
+const (
+	benchPartDays = 30      // daily partitions of the past
+	benchPartKeys = 300_000 // completed keys over them
+)
+
+var (
+	benchPartOnce     sync.Once
+	benchPartTables   map[string]string // layout -> table with its ledger "ledger_<table>"
+	benchPartErr      error
+	benchPartKeyCount int64 // the completed keys in each table
+)
+
+// benchPartitionWorld returns the table of the layout, made and filled once
+// per test binary.
+func benchPartitionWorld(b *testing.B, layout string) string {
+	b.Helper()
+	benchPartOnce.Do(func() {
+		keys := benchPartKeys
+		if f := flag.Lookup("test.benchtime"); f != nil && f.Value.String() == "1x" {
+			keys = 3000 // scripts/test.sh runs every benchmark once, to keep them from rotting
+		}
+		benchPartKeyCount = int64(keys)
+		db := idem.OpenTestDB(b)
+		benchPartTables = map[string]string{
+			"plain":  idem.NewPlainTable(b, db),
+			"daily":  idem.NewPartitioned(b, db, 24*time.Hour),
+			"weekly": idem.NewPartitioned(b, db, 7*24*time.Hour),
+		}
+		var stmts []string
+		for layout, days := range map[string]int{"daily": 1, "weekly": 7} {
+			// The partition from MINVALUE gives way to one per interval,
+			// back from the first one Migrate made (at the start of the
+			// current interval since the Unix epoch, a Thursday for weeks).
+			p := benchPartTables[layout]
+			start := fmt.Sprintf(`to_timestamp(floor(extract(epoch FROM now()) / %[1]d) * %[1]d)`, days*86400)
+			stmts = append(stmts, `DROP TABLE "`+p+`_p00010101_0000"`)
+			for d := 1; d*days <= benchPartDays+days-1; d++ {
+				name := fmt.Sprintf(`"%s_past%d"`, p, d)
+				stmts = append(stmts,
+					`CREATE TABLE `+name+` (LIKE "`+p+`" INCLUDING DEFAULTS)`,
+					`ALTER TABLE `+name+` ADD PRIMARY KEY (source, event_id)`,
+					fmt.Sprintf(`ALTER TABLE "%s" ATTACH PARTITION %s FOR VALUES
+FROM (%s - interval '%d days') TO (%s - interval '%d days')`, p, name, start, d*days, start, (d-1)*days))
+			}
+		}
+		for _, t := range benchPartTables {
+			stmts = append(stmts,
+				fmt.Sprintf(`INSERT INTO "%s" (source, event_id, payload_digest, response_status, response_headers,
+    response_body, claimed_at, completed_at)
+SELECT 'bench', 'old-' || g, sha256(g::text::bytea), 201, '{"Content-Type": ["application/json"]}',
+       '{"ledger_id": 1}', date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+         - (g %% %d + 1) * interval '1 day' + (g / %d) * interval '1 millisecond', now()
+FROM generate_series(1, %d) AS g`, t, benchPartDays, benchPartDays, keys),
+				`CREATE TABLE ledger_`+t+` (id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`,
+				`VACUUM ANALYZE "`+t+`"`)
+		}
+		for _, s := range stmts {
+			if _, err := db.Exec(s); err != nil {
+				benchPartErr = fmt.Errorf("%s: %w", s, err)
+				return
+			}
+		}
+	})
+	if benchPartErr != nil {
+		b.Fatal(benchPartErr)
+	}
+	return benchPartTables[layout]
+}
+
+func BenchmarkPartitionedTable(b *testing.B) {
+	for _, path := range []string{"new", "dup"} {
+		for _, adapter := range []string{"sql", "pgx"} {
+			for _, layout := range []string{"plain", "daily", "weekly"} {
+				b.Run("path="+path+"/adapter="+adapter+"/layout="+layout, func(b *testing.B) {
+					table := benchPartitionWorld(b, layout)
+					ledger := "ledger_" + table
+					opts := idem.Options{KeyFunc: idem.Header(benchSource, benchHeader), Table: table, ReplayCacheBytes: -1}
+					var (
+						mw    *idem.Middleware
+						err   error
+						count *benchCounter // statements counted on database/sql only
+						inner = benchref.IdemHandler(ledger)
+					)
+					if adapter == "sql" {
+						var db *sql.DB
+						db, count = openBenchPool(b, nil)
+						mw, err = idem.New(db, opts)
+					} else {
+						cfg, perr := pgxpool.ParseConfig(idem.TestDatabaseURL(b))
+						if perr != nil {
+							b.Fatal(perr)
+						}
+						cfg.MaxConns, cfg.MinConns = benchPool, benchPool
+						pool, perr := pgxpool.NewWithConfig(context.Background(), cfg)
+						if perr != nil {
+							b.Fatal(perr)
+						}
+						b.Cleanup(pool.Close)
+						mw, err = idempgx.New(pool, opts)
+						inner = benchref.IdemPgxHandler(ledger)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
+					h := mw.Handler(inner)
+					if path == "new" {
+						prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
+						benchParallel(b, h, count, func(s *benchSender, i int64) int {
+							id := prefix + strconv.FormatInt(i, 10)
+							return s.send(id, benchBody(id))
+						}, http.StatusCreated)
+						return
+					}
+					// Redeliveries of the old keys, spread over every day, each
+					// with the body whose digest the key was stored with.
+					benchParallel(b, h, count, func(s *benchSender, i int64) int {
+						g := i%benchPartKeyCount + 1
+						return s.send("old-"+strconv.FormatInt(g, 10), []byte(strconv.FormatInt(g, 10)))
+					}, http.StatusCreated)
+				})
+			}
+		}
+	}
+}

@@ -1,0 +1,128 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+)
+
+// A partitioned table (range-partitioned on claimed_at, see docs/partitioning.md)
+// has no primary key on (source, event_id) across partitions: each partition
+// has its own. ON CONFLICT sees one partition only, so a claim there must take
+// the key's advisory lock first and then look for the key in every partition
+// with a new statement, whose snapshot (at READ COMMITTED) comes after the
+// lock: the lock-first claim of Queries.TryLock, Read and InsertCompleted.
+// An adapter finds out which layout its table has on its first claim (one
+// catalog query, remembered), so no option is needed.
+
+// claimOrRead is the claim of database/sql on a partitioned table, in the
+// transaction that has just sent TryLock ($4 is what it answered): a new
+// statement, so its snapshot comes after the lock. It reads the key's row in
+// every partition and, only when there is none and the lock is this
+// transaction's, inserts the claim, which the answer's UPDATE completes as
+// on a plain table (so a handler that commits the transaction itself leaves
+// an unanswered key, never a key that runs again). It returns whether it
+// inserted, and the row it read, if any: a duplicate costs no further
+// statement.
+func claimOrRead(q string) string {
+	return `WITH r AS MATERIALIZED (
+    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
+           lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live
+    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1),
+ins AS (
+    INSERT INTO ` + q + ` (source, event_id, payload_digest)
+    SELECT $1, $2, $3 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
+    RETURNING true AS won)
+SELECT coalesce((SELECT won FROM ins), false), r.payload_digest, r.response_status, r.response_headers,
+       r.response_body, r.done, coalesce(r.leased, false), coalesce(r.live, false)
+FROM (VALUES (1)) AS one LEFT JOIN r ON true`
+}
+
+// notAhead is the condition, on the claimed_at of the table aliased
+// prefix, that keeps the partitions made ahead of time out of a lookup of
+// a key: PostgreSQL prunes the partitions that begin later when the
+// statement starts, so they cost a claim nothing. A committed row's
+// claimed_at is the start of its transaction, before its commit, so before
+// any statement that can see it; the minute allows for a clock stepped
+// back. On a plain table it filters the one row the primary key found.
+func notAhead(prefix string) string {
+	return " AND " + prefix + "claimed_at < statement_timestamp() + interval '1 minute'"
+}
+
+// PartitionedSQL reports whether the table named by $1 (quoted, as
+// Queries.Table) is partitioned; NULL when it does not exist.
+const PartitionedSQL = `SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)`
+
+// ErrPartitionedIsolation is a claim's error on a partitioned table when the
+// claim transaction would not run at READ COMMITTED: at REPEATABLE READ or
+// SERIALIZABLE a transaction's snapshot is taken by its first statement,
+// before the key's lock is held, so a delivery that committed in between
+// would be invisible and its key claimed a second time in another partition.
+var ErrPartitionedIsolation = errors.New("idem: the table is partitioned: its claims need READ COMMITTED, and Options.TxOptions asks for a higher isolation level")
+
+// Layout remembers whether an adapter's table is partitioned, once known.
+// The zero value knows nothing yet.
+type Layout struct {
+	state atomic.Int32 // 0 unknown, 1 plain, 2 partitioned
+}
+
+// Partitioned reports whether the table is partitioned, asking the database
+// with query (which runs PartitionedSQL with the quoted table name) on the
+// first call, and again after Forget. A table that does not exist counts as
+// plain and is asked about again next time: the claim fails on it anyway.
+func (l *Layout) Partitioned(ctx context.Context, query func(context.Context) (*bool, error)) (bool, error) {
+	switch l.state.Load() {
+	case 1:
+		return false, nil
+	case 2:
+		return true, nil
+	}
+	p, err := query(ctx)
+	switch {
+	case err != nil:
+		return false, err
+	case p == nil:
+		return false, nil
+	case *p:
+		l.state.Store(2)
+	default:
+		l.state.Store(1)
+	}
+	return *p, nil
+}
+
+// Forget makes the next claim ask again: the plain claim found that the
+// table has no unique index on (source, event_id), as happens when it was
+// converted to a partitioned one while the application ran.
+func (l *Layout) Forget() { l.state.Store(0) }
+
+// NoConflictTarget is the SQLSTATE (invalid_column_reference) of an INSERT
+// whose ON CONFLICT names columns without a unique index: the plain claim
+// on a partitioned table.
+const NoConflictTarget = "42P10"
+
+// claimLeaseOrRead is the lease-mode claim on a partitioned table, sent in
+// a transaction after TryLock (locked, $4: its result), as a statement of
+// its own whose snapshot comes after the lock: it looks for the key in
+// every partition, takes over a row whose lease ran out, or inserts the
+// key in progress if no partition holds it; and returns the row it found.
+// The first column is NULL when nothing was claimed, false for a new key,
+// true for a takeover.
+func claimLeaseOrRead(q string) string {
+	lease := `now() + $5 * interval '1 microsecond'`
+	return `WITH r AS MATERIALIZED (
+    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
+           lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live
+    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1),
+upd AS (
+    UPDATE ` + q + ` SET payload_digest = $3, lease_until = ` + lease + `, lease_token = $6, claimed_at = now()
+    WHERE $4::boolean AND source = $1 AND event_id = $2 AND completed_at IS NULL AND lease_until < now()
+    RETURNING true AS took),
+ins AS (
+    INSERT INTO ` + q + ` (source, event_id, payload_digest, lease_until, lease_token)
+    SELECT $1, $2, $3, ` + lease + `, $6 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
+    RETURNING false AS took)
+SELECT coalesce((SELECT took FROM upd), (SELECT took FROM ins)), r.payload_digest, r.response_status,
+       r.response_headers, r.response_body, r.done, coalesce(r.leased, false), coalesce(r.live, false)
+FROM (VALUES (1)) AS one LEFT JOIN r ON true`
+}

@@ -1,0 +1,139 @@
+package idem
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem/internal/driver"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The snapshot trap on a partitioned table, with two connections in a fixed
+// order: an original holds the key's lock, with its row (dated into an
+// older partition) inserted but not committed; a duplicate comes and waits
+// for the lock; the original commits. The claim looks for the key with a
+// statement sent after the lock is held, which sees the row: a replay. The
+// same claim with the lock taken inside the statement that looks for the
+// key (its snapshot is taken before the wait) does not see the row, and
+// runs the handler a second time: this test fails on such a claim.
+func TestPartitionedClaimLooksForTheKeyAfterTakingTheLock(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name         string
+		oneStatement bool
+		runs         int64
+		rows         int
+	}{
+		{"the lock, then a new statement looks for the key", false, 0, 1},
+		{"the lock taken by the statement that looks for the key", true, 1, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			db := openTestDB(t)
+			name := newPartitionedTestTable(t, db, 24*time.Hour)
+			tbl, err := parseTable(name)
+			require.NoError(t, err)
+			key := Key{Source: "test", EventID: "evt_old"}
+			lock := tbl.lockID(key)
+			var runs atomic.Int64
+			mw, err := newMiddleware(func(q driver.Queries) driver.Driver {
+				if tc.oneStatement {
+					// A claim that takes the key's lock (waiting) in the
+					// statement that looks for the key and inserts it.
+					q.TryLock = `SELECT $1::bigint IS NOT NULL`
+					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "WITH r AS MATERIALIZED (",
+						fmt.Sprintf("WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%d)),\nr AS MATERIALIZED (", lock), 1)
+					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "FROM "+q.Table+" WHERE", "FROM "+q.Table+", l WHERE", 1)
+				}
+				return &sqlDriver{db: db, q: q}
+			}, Options{KeyFunc: Header("test", "X-Event-Id"), Table: name, LockWait: time.Minute})
+			require.NoError(t, err)
+			h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				w.WriteHeader(http.StatusCreated)
+				_, _ = w.Write([]byte("second run"))
+			}))
+
+			// The original: the key's lock and its row, uncommitted.
+			orig, err := db.BeginTx(ctx, nil)
+			require.NoError(t, err)
+			defer orig.Rollback() //nolint:errcheck // committed below
+			_, err = orig.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, lock)
+			require.NoError(t, err)
+			digest := sha256.Sum256([]byte("{}"))
+			_, err = orig.ExecContext(ctx, `INSERT INTO `+tbl.quoted+` (source, event_id, payload_digest,
+    response_status, response_headers, response_body, claimed_at, completed_at)
+VALUES ($1, $2, $3, 201, '{}', 'first run', now() - interval '10 days', now())`, key.Source, key.EventID, digest[:])
+			require.NoError(t, err)
+
+			// The duplicate, until it waits for the key's lock.
+			answered := make(chan *httptest.ResponseRecorder)
+			go func() {
+				req := httptest.NewRequest(http.MethodPost, "/hook", strings.NewReader("{}"))
+				req.Header.Set("X-Event-Id", key.EventID)
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, req)
+				answered <- rec
+			}()
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				var waiting int
+				require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_locks
+WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND classid = $1::bigint::oid AND objid = $2::bigint::oid`, int64(uint64(lock)>>32), int64(uint64(lock)&0xffffffff)).Scan(&waiting))
+				if waiting > 0 {
+					break
+				}
+				require.True(t, time.Now().Before(deadline), "the duplicate never waited for the key's lock")
+				time.Sleep(2 * time.Millisecond)
+			}
+			require.NoError(t, orig.Commit())
+
+			rec := <-answered
+			assert.Equal(t, tc.runs, runs.Load(), "handler runs of the duplicate")
+			var rows int
+			require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+tbl.quoted+` WHERE event_id = $1`, key.EventID).Scan(&rows))
+			assert.Equal(t, tc.rows, rows, "rows of the key")
+			assert.Equal(t, http.StatusCreated, rec.Code)
+			if !tc.oneStatement {
+				assert.Equal(t, "first run", rec.Body.String(), "the original's answer, replayed")
+				assert.Equal(t, "true", rec.Header().Get("Idempotent-Replayed"))
+			}
+		})
+	}
+}
+
+func TestPartitionGapsAndNames(t *testing.T) {
+	day := 24 * time.Hour
+	at := func(d int) time.Time { return time.Date(2026, 12, d, 0, 0, 0, 0, time.UTC) }
+	start, end := at(10), at(14)
+	// Nothing yet: one partition per day.
+	assert.Equal(t, [][2]time.Time{{at(10), at(11)}, {at(11), at(12)}, {at(12), at(13)}, {at(13), at(14)}}, gaps(nil, start, end, day))
+	// Someone else's partitions (half a day, then a week from the 12th at
+	// noon): only what they leave uncovered.
+	others := []partition{
+		{From: at(10), To: at(10).Add(12 * time.Hour)},
+		{From: at(12).Add(12 * time.Hour), To: at(19)},
+	}
+	assert.Equal(t, [][2]time.Time{{at(10).Add(12 * time.Hour), at(11)}, {at(11), at(12)}, {at(12), at(12).Add(12 * time.Hour)}},
+		gaps(others, start, end, day))
+	// A partition from MINVALUE, and a pending detach that covers nothing.
+	assert.Equal(t, [][2]time.Time{{at(13), at(14)}},
+		gaps([]partition{{To: at(13)}, {From: at(13), To: at(14), Pending: true}}, start, end, day))
+
+	assert.Equal(t, at(10), alignDown(at(10).Add(23*time.Hour), day))
+	assert.Equal(t, "t_p20261210_0000", partitionName("t", at(10)))
+	long := partitionName(strings.Repeat("x", 63), at(10))
+	assert.Len(t, long, 63)
+	assert.NotEqual(t, long, partitionName(strings.Repeat("x", 62)+"y", at(10)))
+}
