@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"database/sql"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -464,22 +465,26 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::ti
 	// cancelled, which leaves o41 pending.
 	reader, err := f.db.BeginTx(ctx, nil)
 	require.NoError(t, err)
+	t.Cleanup(func() { _ = reader.Rollback() }) // lets a stuck detach go on if the test fails early
 	_, err = reader.ExecContext(ctx, `SELECT count(*) FROM "`+f.table+`"`)
 	require.NoError(t, err)
-	conn, err := f.db.Conn(ctx)
-	require.NoError(t, err)
-	defer conn.Close()
-	var pid int
-	require.NoError(t, conn.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	detach := `ALTER TABLE "` + f.table + `" DETACH PARTITION "` + f.table + `_o41" CONCURRENTLY`
 	detached := make(chan error, 1)
 	go func() {
-		_, err := conn.ExecContext(ctx, `ALTER TABLE "`+f.table+`" DETACH PARTITION "`+f.table+`_o41" CONCURRENTLY`)
+		_, err := f.db.ExecContext(ctx, detach)
 		detached <- err
 	}()
+	// The detach's backend, found by its statement: through PgBouncer in
+	// transaction mode, a client connection's backend can change between
+	// statements, so pg_backend_pid() asked beforehand could name another.
+	var pid int
 	waitFor(t, "the detach waiting for the reader", func() bool {
-		var waiting bool
-		require.NoError(t, f.db.QueryRow(`SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting))
-		return waiting
+		err := f.db.QueryRow(`SELECT pid FROM pg_stat_activity WHERE query = $1 AND wait_event_type = 'Lock'`, detach).Scan(&pid)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false
+		}
+		require.NoError(t, err)
+		return true
 	})
 	_, err = f.db.Exec(`SELECT pg_cancel_backend($1)`, pid)
 	require.NoError(t, err)
