@@ -194,13 +194,8 @@ func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 	return oneRow(res, driver.ErrFenced)
 }
 
-func (d *sqlDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
-	_, err := d.db.ExecContext(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
-	return err
-}
-
-func (d *sqlDriver) KeepClaim(ctx context.Context, a *driver.Args, token int64) error {
-	_, err := d.db.ExecContext(ctx, d.q.KeepClaim, a.Source, a.EventID, token)
+func (d *sqlDriver) EndLease(ctx context.Context, a *driver.Args, token int64, keep bool) error {
+	_, err := d.db.ExecContext(ctx, d.q.EndLease(keep), a.Source, a.EventID, token)
 	return err
 }
 

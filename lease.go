@@ -129,11 +129,11 @@ func (r *leaseRun) Rollback(ctx context.Context) error {
 	if tx, _ := r.lazy.close(); tx != nil {
 		errs = append(errs, tx.Rollback(ctx))
 	}
-	end, what := r.m.drv.ReleaseLease, "releasing a lease failed; the key's next delivery waits for the lease to run out"
+	what := "releasing a lease failed; the key's next delivery waits for the lease to run out"
 	if r.keep {
-		end, what = r.m.drv.KeepClaim, "keeping the claim of a handler that ended its transaction failed; the key runs again once its lease runs out"
+		what = "keeping the claim of a handler that ended its transaction failed; the key runs again once its lease runs out"
 	}
-	if err := end(ctx, r.a, r.token); err != nil {
+	if err := r.m.drv.EndLease(ctx, r.a, r.token, r.keep); err != nil {
 		errs = append(errs, err)
 		r.m.logr().LogAttrs(ctx, slog.LevelError, "idem: "+what,
 			slog.String("source", r.a.Source), slog.String("event_id", r.a.EventID), slog.Any("error", err))

@@ -600,13 +600,8 @@ func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 	return err
 }
 
-func (d *pgxDriver) ReleaseLease(ctx context.Context, a *driver.Args, token int64) error {
-	_, err := d.pool.Exec(ctx, d.q.ReleaseLease, a.Source, a.EventID, token)
-	return err
-}
-
-func (d *pgxDriver) KeepClaim(ctx context.Context, a *driver.Args, token int64) error {
-	_, err := d.pool.Exec(ctx, d.q.KeepClaim, a.Source, a.EventID, token)
+func (d *pgxDriver) EndLease(ctx context.Context, a *driver.Args, token int64, keep bool) error {
+	_, err := d.pool.Exec(ctx, d.q.EndLease(keep), a.Source, a.EventID, token)
 	return err
 }
 

@@ -91,14 +91,12 @@ type Driver interface {
 	// nothing, in a statement that commits on its own, only if token still
 	// owns the key; ErrFenced when it does not.
 	CompleteLease(ctx context.Context, a *Args, token int64, status int, headers, body []byte) error
-	// ReleaseLease deletes the in-progress row that token owns, so that the
-	// next delivery runs at once.
-	ReleaseLease(ctx context.Context, a *Args, token int64) error
-	// KeepClaim turns the in-progress row that token owns into a claim
-	// committed without an answer, which no delivery runs again: the
-	// handler ended its transaction itself, and its writes may have
-	// committed.
-	KeepClaim(ctx context.Context, a *Args, token int64) error
+	// EndLease ends the lease that token owns on a key not completed: it
+	// deletes the in-progress row, so that the next delivery runs at once;
+	// or, with keep, turns it into a claim committed without an answer,
+	// which no delivery runs again (the handler ended its transaction
+	// itself, and its writes may have committed).
+	EndLease(ctx context.Context, a *Args, token int64, keep bool) error
 }
 
 // Tx is a claim's transaction.
@@ -156,7 +154,7 @@ type Queries struct {
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
 	// Lease mode: the claim, the fenced completion (and its failing form,
-	// for a pipelined COMMIT), the release; TakeOver is the
+	// for a pipelined COMMIT), the two ends of a lease (EndLease); TakeOver is the
 	// single-transaction claim of a key whose lease ran out.
 	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, KeepClaim, TakeOver string
 	// Table is the quoted table name, the argument of PartitionedSQL.
@@ -166,6 +164,25 @@ type Queries struct {
 	// ClaimLeaseOrRead is the lease-mode claim on a partitioned table,
 	// sent after TryLock: layout.go.
 	ClaimLeaseOrRead string
+}
+
+// EndLease is the statement of Driver.EndLease: KeepClaim with keep, else
+// ReleaseLease.
+func (q *Queries) EndLease(keep bool) string {
+	if keep {
+		return q.KeepClaim
+	}
+	return q.ReleaseLease
+}
+
+// leaseColumns read a row's lease state, for Row.Leased and Row.LeaseLive:
+// an in-progress row of lease mode, and whether its lease still runs.
+// Without a prefix (keyRow's CTE) they are named leased and live.
+func leaseColumns(prefix string) string {
+	if prefix == "" {
+		return `lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live`
+	}
+	return prefix + `lease_until IS NOT NULL AND ` + prefix + `completed_at IS NULL, coalesce(` + prefix + `lease_until > now(), false)`
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:
@@ -202,7 +219,7 @@ RETURNING true`,
 		// snapshot (at READ COMMITTED), so it sees a row that committed
 		// while the claim ran or waited.
 		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
+       r.response_body, r.completed_at IS NOT NULL, ` + leaseColumns("r.") + `
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
@@ -210,7 +227,7 @@ LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 		// lock_timeout it had before: the claim may go on to run the
 		// handler in this transaction.
 		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false),
+       r.response_body, r.completed_at IS NOT NULL, ` + leaseColumns("r.") + `,
        set_config('lock_timeout', $4, true)
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
@@ -227,7 +244,7 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 
 		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
 		Read: `SELECT r.payload_digest, r.response_status, r.response_headers, r.response_body, r.completed_at IS NOT NULL,
-       r.lease_until IS NOT NULL AND r.completed_at IS NULL, coalesce(r.lease_until > now(), false)
+       ` + leaseColumns("r.") + `
 FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2` + notAhead("r."),
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,

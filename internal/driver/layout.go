@@ -25,18 +25,27 @@ import (
 // inserted, and the row it read, if any: a duplicate costs no further
 // statement.
 func claimOrRead(q string) string {
-	return `WITH r AS MATERIALIZED (
-    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
-           lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live
-    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1),
+	return `WITH ` + keyRow(q) + `,
 ins AS (
     INSERT INTO ` + q + ` (source, event_id, payload_digest)
     SELECT $1, $2, $3 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
     RETURNING true AS won)
-SELECT coalesce((SELECT won FROM ins), false), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.done, coalesce(r.leased, false), coalesce(r.live, false)
-FROM (VALUES (1)) AS one LEFT JOIN r ON true`
+SELECT coalesce((SELECT won FROM ins), false), ` + keyRowColumns
 }
+
+// keyRow is the CTE r: the key's row read in every partition (at most
+// one), for claimOrRead and claimLeaseOrRead. keyRowColumns select it, as
+// the lookups' columns after the first, from a row that is always there.
+func keyRow(q string) string {
+	return `r AS MATERIALIZED (
+    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
+           ` + leaseColumns("") + `
+    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1)`
+}
+
+const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,
+       coalesce(r.leased, false), coalesce(r.live, false)
+FROM (VALUES (1)) AS one LEFT JOIN r ON true`
 
 // notAhead is the condition, on the claimed_at of the table aliased
 // prefix, that keeps the partitions made ahead of time out of a lookup of
@@ -110,10 +119,7 @@ const NoConflictTarget = "42P10"
 // true for a takeover.
 func claimLeaseOrRead(q string) string {
 	lease := `now() + $5 * interval '1 microsecond'`
-	return `WITH r AS MATERIALIZED (
-    SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
-           lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live
-    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1),
+	return `WITH ` + keyRow(q) + `,
 upd AS (
     UPDATE ` + q + ` SET payload_digest = $3, lease_until = ` + lease + `, lease_token = $6, claimed_at = now()
     WHERE $4::boolean AND source = $1 AND event_id = $2 AND completed_at IS NULL AND lease_until < now()
@@ -122,7 +128,5 @@ ins AS (
     INSERT INTO ` + q + ` (source, event_id, payload_digest, lease_until, lease_token)
     SELECT $1, $2, $3, ` + lease + `, $6 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
     RETURNING false AS took)
-SELECT coalesce((SELECT took FROM upd), (SELECT took FROM ins)), r.payload_digest, r.response_status,
-       r.response_headers, r.response_body, r.done, coalesce(r.leased, false), coalesce(r.live, false)
-FROM (VALUES (1)) AS one LEFT JOIN r ON true`
+SELECT coalesce((SELECT took FROM upd), (SELECT took FROM ins)), ` + keyRowColumns
 }
