@@ -549,14 +549,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 
-	// HandlerTimeout counts from the claim. The claim may first wait, at
-	// most LockWait, for an original on another instance: a claim that
-	// waited gets a deadline of its own for the handler. (One timer for
-	// the common case, which waits for nothing.)
-	base := ctx
-	ctx, cancel := context.WithTimeout(base, max(m.handlerTimeout, m.lockWait))
+	// The claim may first wait (LockWait) for an original on another
+	// instance; HandlerTimeout counts from when the key is claimed.
+	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
 	defer cancel()
-	claimStart := time.Now()
 	c := m.claim(ctx, &x.args, deadline)
 	x.obs.TookOver = c.tookOver
 	x.obs.Wait += c.waited
@@ -569,11 +565,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		x.replay(c.replay)
 		return
 	}
-	if c.waited > 0 || m.lockWait > m.handlerTimeout {
-		var cancelRun context.CancelFunc
-		ctx, cancelRun = context.WithTimeout(base, m.handlerTimeout-min(m.handlerTimeout, time.Since(claimStart)-c.waited))
-		defer cancelRun()
-	}
+	ctx, cancelRun := context.WithTimeout(ctx, m.handlerTimeout)
+	defer cancelRun()
 	m.run(ctx, x, c.tx, reqState{tx: c.tx.Handle(), key: key}, body, next)
 }
 
