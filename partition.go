@@ -459,8 +459,9 @@ func anotherSweep(ctx context.Context, db *sql.DB, t table, p partition, before 
 	for _, b := range before {
 		pending[b.Name] = b.Pending
 	}
-	attached, newlyPending := false, false
+	attached, newlyPending, present := false, false, map[string]bool{}
 	for _, q := range now {
+		present[q.Name] = true
 		if q.Name == p.Name && !q.Pending {
 			attached = true
 		}
@@ -468,10 +469,19 @@ func anotherSweep(ctx context.Context, db *sql.DB, t table, p partition, before 
 			newlyPending = true
 		}
 	}
+	// Another partition listed before and gone now was detached and
+	// dropped meanwhile: by the time this looks, the other sweep may have
+	// finished the detach that made this one fail.
+	gone := false
+	for _, b := range before {
+		if b.Name != p.Name && !present[b.Name] {
+			gone = true
+		}
+	}
 	switch {
 	case !attached:
 		return otherTookIt, nil
-	case newlyPending:
+	case newlyPending || gone:
 		return otherIsDetaching, nil
 	}
 	return otherNone, nil
