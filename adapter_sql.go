@@ -111,7 +111,11 @@ func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
 }
 
 func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
-	return t.commitWith(ctx, driver.ErrNotStored, t.q.Complete, a.Source, a.EventID, status, string(headers), body)
+	complete := t.q.Complete
+	if t.lockFirst {
+		complete = t.q.CompleteClaimedNow // one partition, not each
+	}
+	return t.commitWith(ctx, driver.ErrNotStored, complete, a.Source, a.EventID, status, string(headers), body)
 }
 
 // Complete is the lease-mode commit: the answer is stored only if token

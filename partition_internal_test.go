@@ -137,3 +137,49 @@ func TestPartitionGapsAndNames(t *testing.T) {
 	assert.Len(t, long, 63)
 	assert.NotEqual(t, long, partitionName(strings.Repeat("x", 62)+"y", at(10)))
 }
+
+// A new event's answer, on a partitioned table, is stored by an UPDATE of
+// the one partition its claim went to, not by one that looks for the key in
+// every partition (which doubled a new event's work there): the claim dates
+// the row now(), the transaction's start, and the UPDATE asks for that, so
+// PostgreSQL leaves the other partitions out when the statement starts.
+func TestPartitionedAnswerUpdatesOnePartition(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := openTestDB(t)
+	name := newPartitionedTestTable(t, db, 24*time.Hour)
+	tbl, err := parseTable(name)
+	require.NoError(t, err)
+	q := driver.NewQueries(tbl.quoted)
+
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback() }()
+	parts, err := listPartitions(ctx, tx, tbl)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, len(parts), 5, "the past, the current partition and 3 ahead")
+
+	d := &sqlDriver{db: db, q: q}
+	key := Key{Source: "test", EventID: "evt_new"}
+	a := &driver.Args{Source: key.Source, EventID: key.EventID, Digest: make([]byte, 32), Lock: tbl.lockID(key)}
+	claim, b, err := d.Begin(ctx, a)
+	require.NoError(t, err)
+	defer func() { _ = claim.Rollback(ctx) }()
+	require.True(t, b.Won)
+	c := claim.(*sqlTx)
+	require.True(t, c.lockFirst, "the adapter found the table partitioned")
+
+	// The statement the adapter sends, run by EXPLAIN ANALYZE in the
+	// claim's transaction: the row is updated, and every other partition
+	// was removed from the plan when it started.
+	_, err = c.tx.ExecContext(ctx, "PREPARE complete_claimed(text, text, smallint, jsonb, bytea) AS "+q.CompleteClaimedNow)
+	require.NoError(t, err)
+	var plan string
+	require.NoError(t, c.tx.QueryRowContext(ctx,
+		`EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF, FORMAT JSON) EXECUTE complete_claimed('test', 'evt_new', 201, NULL, 'ok')`).Scan(&plan))
+	assert.True(t, strings.Contains(plan, fmt.Sprintf(`"Subplans Removed": %d`, len(parts)-1)),
+		"the answer's UPDATE did not leave the other %d partitions out", len(parts)-1)
+	var status int
+	require.NoError(t, c.tx.QueryRowContext(ctx, "SELECT response_status FROM "+tbl.quoted+" WHERE event_id = 'evt_new'").Scan(&status))
+	assert.Equal(t, 201, status)
+}

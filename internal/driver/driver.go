@@ -159,8 +159,8 @@ type Queries struct {
 	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, KeepClaim, TakeOver string
 	// Table is the quoted table name, the argument of PartitionedSQL.
 	// ClaimOrRead is the database/sql claim on a partitioned table, sent
-	// after TryLock: layout.go.
-	Table, ClaimOrRead string
+	// after TryLock, and CompleteClaimedNow its Complete: layout.go.
+	Table, ClaimOrRead, CompleteClaimedNow string
 	// ClaimLeaseOrRead is the lease-mode claim on a partitioned table,
 	// sent after TryLock: layout.go.
 	ClaimLeaseOrRead string
@@ -198,9 +198,14 @@ WHERE source = $1 AND event_id = $2 AND lease_token = $6 AND completed_at IS NUL
 SET response_status = $3, response_headers = $4, response_body = $5, completed_at = now()
 WHERE source = $1 AND event_id = $2 AND completed_at IS NULL`
 	return Queries{
-		Table:            q,
-		ClaimOrRead:      claimOrRead(q),
-		ClaimLeaseOrRead: claimLeaseOrRead(q),
+		Table:       q,
+		ClaimOrRead: claimOrRead(q),
+		// The row this transaction claimed has claimed_at = now(), the
+		// transaction's start (claimOrRead and TakeOver set it so): on a
+		// partitioned table PostgreSQL then updates that one partition
+		// instead of looking for the key in each.
+		CompleteClaimedNow: complete + ` AND claimed_at = now()`,
+		ClaimLeaseOrRead:   claimLeaseOrRead(q),
 		// The claim decides in one statement: the INSERT runs only if the
 		// key's advisory lock is free, taken without waiting. A claim in
 		// flight holds that lock until its transaction ends, so a duplicate

@@ -19,16 +19,17 @@ import (
 // transaction that has just sent TryLock ($4 is what it answered): a new
 // statement, so its snapshot comes after the lock. It reads the key's row in
 // every partition and, only when there is none and the lock is this
-// transaction's, inserts the claim, which the answer's UPDATE completes as
-// on a plain table (so a handler that commits the transaction itself leaves
-// an unanswered key, never a key that runs again). It returns whether it
-// inserted, and the row it read, if any: a duplicate costs no further
-// statement.
+// transaction's, inserts the claim with claimed_at = now() (whatever the
+// column's default), which the answer's UPDATE (CompleteClaimedNow) finds in
+// the one partition of that time and completes as on a plain table (so a
+// handler that commits the transaction itself leaves an unanswered key,
+// never a key that runs again). It returns whether it inserted, and the row
+// it read, if any: a duplicate costs no further statement.
 func claimOrRead(q string) string {
 	return `WITH ` + keyRow(q) + `,
 ins AS (
-    INSERT INTO ` + q + ` (source, event_id, payload_digest)
-    SELECT $1, $2, $3 WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
+    INSERT INTO ` + q + ` (source, event_id, payload_digest, claimed_at)
+    SELECT $1, $2, $3, now() WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
     RETURNING true AS won)
 SELECT coalesce((SELECT won FROM ins), false), ` + keyRowColumns
 }
