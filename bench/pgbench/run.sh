@@ -6,6 +6,7 @@
 #
 #   bench/pgbench/run.sh            # 3 rounds of 8 s per script
 #   ROUNDS=5 SECONDS_EACH=10 CLIENTS=16 bench/pgbench/run.sh
+#   SCHEMA=partitioned-schema.sql SCRIPTS="..." bench/pgbench/run.sh  # see that file
 set -euo pipefail
 cd "$(dirname "$0")"
 ROUNDS=${ROUNDS:-3}
@@ -15,7 +16,7 @@ CONN=(-h "${PGHOST:-127.0.0.1}" -p "${PGPORT:-5432}" -U "${PGUSER:-postgres}")
 DB=idem_pgbench_$$
 psql "${CONN[@]}" -qc "CREATE DATABASE $DB"
 trap 'psql "${CONN[@]}" -qc "DROP DATABASE IF EXISTS $DB WITH (FORCE)"' EXIT
-psql "${CONN[@]}" -d "$DB" -q -v ON_ERROR_STOP=1 -f schema.sql
+psql "${CONN[@]}" -d "$DB" -q -v ON_ERROR_STOP=1 -f "${SCHEMA:-schema.sql}"
 scripts=(new-bare new-inline new-idem new-idem-lookupfirst new-insert-at-end new-idempgx dup-inline dup-idem dup-select)
 # SCRIPTS="new-bare new-idempgx" runs only those.
 if [ -n "${SCRIPTS:-}" ]; then read -r -a scripts <<<"$SCRIPTS"; fi
