@@ -2,7 +2,7 @@
 -- schema plain (keys_plain) and range-partitioned on claimed_at by day
 -- (keys_part: 30 days back, the current day and 3 ahead, 34 partitions),
 -- each with the same 300,000 completed keys over the last 30 days.
---   SCHEMA=partitioned-schema.sql SCRIPTS="part-plain part-plain-lockfirst part-nolookup part-idem" \
+--   SCHEMA=partitioned-schema.sql SCRIPTS="part-plain part-plain-lockfirst part-nolookup part-idem part-named part-summary" \
 --     ROUNDS=5 SECONDS_EACH=4 CLIENTS=16 bench/pgbench/run.sh
 CREATE TABLE keys_plain (source text NOT NULL, event_id text NOT NULL, payload_digest bytea NOT NULL,
     response_status smallint, response_headers jsonb, response_body bytea,
@@ -30,3 +30,24 @@ FROM generate_series(1, 300000) g;
 INSERT INTO keys_part SELECT * FROM keys_plain;
 CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL);
 VACUUM ANALYZE;
+
+-- An experiment, not what idem does: blocked Bloom filters summarising the
+-- keys of the 30 past partitions (keys_part_0 .. keys_part_29), one row
+-- per block of 1,024 bits, 16 bits per key, 8 hashes (part-summary.sql
+-- reads them). A claim could consult these instead of opening every past
+-- partition, once a partition can take no more claims.
+CREATE TABLE summ_meta (part int PRIMARY KEY, nblocks int NOT NULL);
+CREATE TABLE summ (part int, block int, bits bit(1024) NOT NULL, PRIMARY KEY (part, block));
+INSERT INTO summ_meta
+SELECT p, (SELECT count(*) FROM keys_part WHERE tableoid = ('keys_part_' || p)::regclass) * 16 / 1024 + 1
+FROM generate_series(0, 29) p;
+INSERT INTO summ
+SELECT m.part, h.block, bit_or(set_bit(repeat('0', 1024)::bit(1024), h.pos, 1))
+FROM summ_meta m,
+LATERAL (SELECT (abs(hashtextextended(k.source || ' ' || k.event_id, 0)) % m.nblocks)::int AS block,
+                (abs(hashtextextended(k.source || ' ' || k.event_id, i)) % 1024)::int AS pos
+         FROM keys_part k, generate_series(1, 8) i
+         WHERE k.tableoid = ('keys_part_' || m.part)::regclass) h
+GROUP BY 1, 2;
+VACUUM ANALYZE summ;
+VACUUM ANALYZE summ_meta;
