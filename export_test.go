@@ -11,6 +11,7 @@ var (
 	PartitionedLayout = partitionedLayout
 	TestDatabaseURL   = testDatabaseURL
 	LockID            = lockID
+	PartitionName     = partitionName
 	OpenDSN           = openDSN
 	DSNOf             = dsnOf
 )
