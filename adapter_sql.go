@@ -16,7 +16,8 @@ type sqlDriver struct {
 	db     *sql.DB
 	q      driver.Queries
 	opts   *sql.TxOptions
-	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
+	layout driver.Layout        // whether the table is partitioned: adapter_sql_partitioned.go
+	sum    driver.LazySummaries // of a partitioned table's past partitions
 }
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
@@ -28,12 +29,12 @@ func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
 // success. So the transaction begins on a context that does not end (which
 // also spares database/sql a goroutine watching it); every statement is
 // sent with ctx, and the engine rolls back what it does not commit.
-func (d *sqlDriver) begin(ctx context.Context) (*sqlTx, error) {
-	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), d.opts)
+func (d *sqlDriver) begin(ctx context.Context, q *driver.Queries, opts *sql.TxOptions) (*sqlTx, error) {
+	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts)
 	if err != nil {
 		return nil, err
 	}
-	return &sqlTx{tx: tx, q: &d.q}, nil
+	return &sqlTx{tx: tx, q: q}, nil
 }
 
 func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
@@ -42,27 +43,34 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		return nil, driver.Begun{}, err
 	}
 	if partitioned {
-		return d.beginLockFirst(ctx, a)
+		return d.beginPartitioned(ctx, a)
 	}
-	t, err := d.begin(ctx)
+	t, b, err := d.claimPlain(ctx, a, &d.q, d.opts)
+	if sqlState(err) == driver.NoConflictTarget {
+		// The table has become partitioned (docs/partitioning.md): ask
+		// again, and claim as on one if so.
+		d.layout.Forget()
+		if p, perr := d.layout.Partitioned(ctx, d.askPartitioned); perr == nil && p {
+			return d.beginPartitioned(ctx, a)
+		}
+	}
+	return t, b, err
+}
+
+// claimPlain claims the key with q's plain statements: on a plain table,
+// or on the current partition of a partitioned one.
+func (d *sqlDriver) claimPlain(ctx context.Context, a *driver.Args, q *driver.Queries, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
+	t, err := d.begin(ctx, q, opts)
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
 	var b driver.Begun
 	b.Won, err = t.Claim(ctx, a)
 	if err == nil && !b.Won {
-		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	}
 	if err != nil {
 		_ = t.Rollback(ctx)
-		if sqlState(err) == driver.NoConflictTarget {
-			// The table has become partitioned (docs/partitioning.md): ask
-			// again, and claim lock-first if so.
-			d.layout.Forget()
-			if p, perr := d.layout.Partitioned(ctx, d.askPartitioned); perr == nil && p {
-				return d.beginLockFirst(ctx, a)
-			}
-		}
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil
@@ -174,7 +182,7 @@ func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 }
 
 func (d *sqlDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
-	t, err := d.begin(ctx)
+	t, err := d.begin(ctx, &d.q, d.opts)
 	if err != nil {
 		return nil, err
 	}

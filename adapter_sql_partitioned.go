@@ -43,13 +43,48 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 	return &o, nil
 }
 
-// beginLockFirst begins a transaction, takes the key's lock without
-// waiting, and claims the key or reads its row with a new statement.
-func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+// beginPartitioned claims on the current partition as on a plain table
+// when the summaries of the past partitions rule the key out, and
+// lock-first across the partitions otherwise, or when the claim's time
+// turned out not to be the current partition's.
+func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
+	if c := d.Summaries().Fast(a, time.Now()); c != nil {
+		// A transaction that began outside c (a long wait for a
+		// connection across a boundary) cannot insert there: its claim
+		// fails with OutsidePartition, before any handler.
+		t, b, err := d.claimPlain(ctx, a, &c.Queries, opts)
+		if sqlState(err) != driver.OutsidePartition {
+			return t, b, err
+		}
+	}
+	return d.beginLockFirst(ctx, a, opts)
+}
+
+// Summaries are those of d's table, if partitioned.
+func (d *sqlDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+
+// query is the driver.Querier of the summaries.
+func (d *sqlDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
+	rows, err := d.db.QueryContext(ctx, query, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
+// beginLockFirst begins a transaction, takes the key's lock without
+// waiting, and claims the key or reads its row with a new statement.
+func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
 	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts) // see begin
 	if err != nil {
 		return nil, driver.Begun{}, err

@@ -1,5 +1,7 @@
 package idem
 
+import "github.com/pgidem/idem/internal/driver"
+
 // Test helpers shared with the external test package idem_test.
 var (
 	OpenTestDB     = openTestDB
@@ -19,3 +21,8 @@ var (
 // LocalWaiters is how many deliveries wait in m's memory for another
 // delivery of their key on the same instance.
 func LocalWaiters(m *Middleware) int64 { return m.flights.waiters.Load() }
+
+// SummariesOf returns the summaries of m's table's past partitions.
+func SummariesOf(m *Middleware) *driver.Summaries {
+	return m.drv.(driver.Summarised).Summaries()
+}

@@ -82,13 +82,30 @@ func TestPartitionedKeyInAnOlderPartitionIsNeverRunAgain(t *testing.T) {
 
 // A storm over keys whose rows sit in an older partition and new keys:
 // every delivery at once, several times. The old keys never run; each new
-// key runs once.
+// key runs once: with every claim lock-first, and with the past partitions
+// summarised, so that the new keys claim on the current partition.
 func TestPartitionedStormOverOldAndNewKeys(t *testing.T) {
 	t.Parallel()
+	for _, summarised := range []bool{false, true} {
+		t.Run(fmt.Sprintf("summarised=%v", summarised), func(t *testing.T) {
+			t.Parallel()
+			stormOverOldAndNewKeys(t, summarised)
+		})
+	}
+}
+
+func stormOverOldAndNewKeys(t *testing.T, summarised bool) {
 	const keys, deliveries = 20, 6
 	f := newPartitionedFixture(t, idem.Options{LockWait: 10 * time.Second}, nil)
 	for i := 0; i < keys; i++ {
 		f.insertOld(fmt.Sprintf("old_%d", i), time.Duration(i+1)*day, true)
+	}
+	s := idem.SummariesOf(f.mw)
+	if summarised {
+		s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
+		awaitSummaries(t, s)
+	} else {
+		s.Disable()
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -131,6 +148,11 @@ func TestPartitionedStormOverOldAndNewKeys(t *testing.T) {
 	require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+f.ledger+` WHERE event_id LIKE 'old_%'`).Scan(&old))
 	assert.Zero(t, old)
 	assert.Equal(t, 2*keys, f.keys(), "one row per key")
+	if summarised {
+		assert.GreaterOrEqual(t, s.FastClaims(), int64(keys), "every new key's deliveries claimed on the current partition")
+	} else {
+		assert.Zero(t, s.FastClaims())
+	}
 }
 
 // A duplicate that waits for an original in flight on another instance

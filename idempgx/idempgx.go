@@ -148,6 +148,7 @@ type pgxDriver struct {
 	// (found out on the first claim) refuses such claims.
 	lockFirst bool
 	layout    driver.Layout
+	sum       driver.LazySummaries // of a partitioned table's past partitions
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
@@ -158,19 +159,40 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // was taken); a new event needs no more until the answer. Otherwise: BEGIN
 // and the claim's INSERT, then, for a duplicate, the lookup with ROLLBACK.
 // Either way a first replay costs two round trips.
+//
+// On a partitioned table whose past partitions' summaries rule the key
+// out, the statements are the current partition's (driver.Summaries).
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+	partitioned := false
 	if !d.lockFirst {
 		if err := d.refusePartitioned(ctx); err != nil {
 			return nil, driver.Begun{}, err
 		}
+	} else if p, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil {
+		return nil, driver.Begun{}, err
+	} else {
+		partitioned = p
 	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
-	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	var begun driver.Begun
-	if d.lockFirst {
+	if partitioned {
+		if t.current = d.Summaries().Fast(a, time.Now()); t.current != nil {
+			t.q = &t.current.Queries
+		}
+		begun, err = t.lockAndRead(ctx, a)
+		if errors.Is(err, errOutside) {
+			// Begun outside the current partition: claim lock-first
+			// across the partitions, in a new transaction.
+			if _, err = t.c.Exec(ctx, "ROLLBACK"); err == nil {
+				t.open, t.q, t.current = false, &d.q, nil
+				begun, err = t.lockAndRead(ctx, a)
+			}
+		}
+	} else if d.lockFirst {
 		begun, err = t.lockAndRead(ctx, a)
 	} else {
 		begun.Won, err = t.insertClaim(ctx, a)
@@ -211,17 +233,48 @@ func (d *pgxDriver) askPartitioned(ctx context.Context) (*bool, error) {
 	return p, err
 }
 
+// Summaries are those of d's table, if partitioned.
+func (d *pgxDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+
+// errOutside: a claim on the current partition whose transaction began
+// outside it.
+var errOutside = errors.New("the claim's transaction began outside the current partition")
+
+// query is the driver.Querier of the summaries.
+func (d *pgxDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
+	rows, err := d.pool.Query(ctx, query, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
 // lockAndRead takes the key's lock without waiting and reads its row, in
 // the open transaction or a new one begun in the same round trip. The key
 // is won when the lock is taken and there is no row: the completed row is
 // then inserted by Commit.
 func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun, error) {
+	lock := t.q.TryLock
+	if t.current != nil {
+		lock = driver.TryLockAt
+	}
 	br, err := t.send(ctx, func(b *pgx.Batch) {
-		b.Queue(t.d.q.TryLock, a.Lock)
-		b.Queue(t.d.q.Read, a.Source, a.EventID)
+		b.Queue(lock, a.Lock)
+		b.Queue(t.q.Read, a.Source, a.EventID)
 	})
 	var begun driver.Begun
-	if err == nil {
+	if err == nil && t.current != nil {
+		var began time.Time
+		if err = br.QueryRow().Scan(&begun.Row.GotLock, &began); err == nil && !t.current.Holds(began) {
+			err = errOutside
+		}
+	} else if err == nil {
 		err = br.QueryRow().Scan(&begun.Row.GotLock)
 	}
 	if err == nil {
@@ -238,7 +291,7 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 // insertClaim inserts the claim, in the open transaction or a new one begun
 // in the same round trip.
 func (t *claimTx) insertClaim(ctx context.Context, a *driver.Args) (bool, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Claim, a.Source, a.EventID, a.Digest, a.Lock) })
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Claim, a.Source, a.EventID, a.Digest, a.Lock) })
 	var won bool
 	if err == nil {
 		err = br.QueryRow().Scan(&won)
@@ -256,7 +309,7 @@ func (t *claimTx) insertClaim(ctx context.Context, a *driver.Args) (bool, error)
 // trip; if the key is in flight, the wait begins a new one.
 func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row, error) {
 	var b pgx.Batch
-	b.Queue(t.d.q.Lookup, a.Source, a.EventID, a.Lock)
+	b.Queue(t.q.Lookup, a.Source, a.EventID, a.Lock)
 	b.Queue("ROLLBACK")
 	br := t.c.SendBatch(ctx, &b)
 	row, err := scanRow(br.QueryRow(), nil)
@@ -309,12 +362,14 @@ func scanRow(r pgx.Row, extra any) (driver.Row, error) {
 // claimTx is the claim's transaction, on a connection held from Begin to
 // Commit or Rollback.
 type claimTx struct {
-	d    *pgxDriver
-	conn *pgxpool.Conn
-	c    *pgx.Conn
-	h    *handleTx // what the handler gets
-	open bool      // a transaction is open on c
-	done bool      // committed or rolled back, connection released
+	d       *pgxDriver
+	q       *driver.Queries // d's, or current's
+	current *driver.Current // a partitioned table's current partition, claimed on as a plain table
+	conn    *pgxpool.Conn
+	c       *pgx.Conn
+	h       *handleTx // what the handler gets
+	open    bool      // a transaction is open on c
+	done    bool      // committed or rolled back, connection released
 	// insertAtEnd: the key was won lock-first; Commit inserts its row.
 	insertAtEnd bool
 }
@@ -363,7 +418,7 @@ func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 // Wait waits for the key's lock, in the open transaction or in a new one
 // begun in the same round trip.
 func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.Wait, lock, driver.LockTimeout(d)) })
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Wait, lock, driver.LockTimeout(d)) })
 	var old string
 	if err == nil {
 		var locked *string
@@ -377,7 +432,7 @@ func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string
 
 func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
 	var restored string
-	return scanRow(t.c.QueryRow(ctx, t.d.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+	return scanRow(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
 }
 
 // Commit sends the stored answer and COMMIT in one round trip. The answer
@@ -388,16 +443,16 @@ func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeo
 // ROLLBACK (a statement failed earlier) is an error.
 func (t *claimTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
 	if t.insertAtEnd {
-		return t.commitWith(ctx, driver.ErrNotStored, t.d.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
+		return t.commitWith(ctx, driver.ErrNotStored, t.q.InsertCompleted, a.Source, a.EventID, a.Digest, status, string(headers), body)
 	}
-	return t.commitWith(ctx, driver.ErrNotStored, t.d.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
+	return t.commitWith(ctx, driver.ErrNotStored, t.q.CompleteOrFail, a.Source, a.EventID, status, string(headers), body)
 }
 
 // Complete is the lease-mode commit: the answer, stored only if token still
 // owns the key (else the statement fails, and so does the COMMIT behind
 // it), and COMMIT, in one round trip.
 func (t *claimTx) Complete(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	return t.commitWith(ctx, driver.ErrFenced, t.d.q.CompleteLeaseOrFail, a.Source, a.EventID, status, string(headers), body, token)
+	return t.commitWith(ctx, driver.ErrFenced, t.q.CompleteLeaseOrFail, a.Source, a.EventID, status, string(headers), body, token)
 }
 
 // commitWith sends the statement that stores the answer and COMMIT in one
@@ -476,7 +531,7 @@ func (t *claimTx) release() {
 // open transaction or in a new one begun in the same round trip (the
 // statement takes the key's lock itself). The answer is then an UPDATE too.
 func (t *claimTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.d.q.TakeOver, a.Source, a.EventID, a.Digest, a.Lock) })
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.TakeOver, a.Source, a.EventID, a.Digest, a.Lock) })
 	var tag pgconn.CommandTag
 	if err == nil {
 		tag, err = br.Exec()
@@ -522,7 +577,7 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 	if err != nil {
 		return driver.Lease{}, err
 	}
-	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	defer func() { _ = t.Rollback(ctx) }()
 	var l driver.Lease
 	br, err := t.sendWith(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(b *pgx.Batch) { b.Queue(d.q.TryLock, a.Lock) })
@@ -572,7 +627,7 @@ func (d *pgxDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &claimTx{d: d, conn: conn, c: conn.Conn()}
+	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	br, err := t.send(ctx, func(*pgx.Batch) {})
 	if cerr := br.Close(); err == nil {
 		err = cerr

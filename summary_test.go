@@ -1,0 +1,208 @@
+package idem_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	"fmt"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/driver"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Summaries of the past partitions of a partitioned table
+// (docs/partitioning.md): a claim whose key they rule out claims on the
+// current partition as on a plain table; any other claims lock-first across
+// the partitions.
+
+// awaitSummaries refreshes s until every past partition is summarised: until
+// the transactions that were running when each partition had ended (by
+// its margin) have ended too.
+func awaitSummaries(t testing.TB, s *driver.Summaries) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for !s.Ready() {
+		require.NoError(t, s.Refresh(ctx))
+	}
+}
+
+func TestSummariesLetNewKeysClaimOnTheCurrentPartition(t *testing.T) {
+	t.Parallel()
+	f := newPartitionedFixture(t, idem.Options{}, nil)
+	f.insertOld("evt_old", 10*day, true)
+	f.insertOld("evt_old_unanswered", 10*day, false)
+	s := idem.SummariesOf(f.mw)
+	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
+	awaitSummaries(t, s)
+
+	r := f.post("evt_new", "{}")
+	require.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, int64(1), s.FastClaims(), "a key no past partition holds claims on the current one")
+	current := f.partitionOf("evt_new")
+	assert.NotEqual(t, f.partitionOf("evt_old"), current)
+
+	r = f.post("evt_old", "{}")
+	assert.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, `{"old":"evt_old"}`, string(r.body), "replayed from the past partition")
+	assert.Equal(t, http.StatusUnprocessableEntity, f.post("evt_old", `{"other": 1}`).status)
+	assert.Equal(t, http.StatusConflict, f.post("evt_old_unanswered", "{}").status)
+	assert.Equal(t, int64(1), s.FastClaims(), "the past partition's summary does not rule those keys out")
+
+	again := f.post("evt_new", "{}")
+	assert.Equal(t, http.StatusCreated, again.status)
+	assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"))
+	assert.Equal(t, int64(2), s.FastClaims(), "a replay from the current partition is fast too")
+	assert.Equal(t, int64(1), f.runs.Load())
+	assert.Equal(t, 1, f.ledgerRows())
+	assert.Equal(t, 3, f.keys())
+}
+
+// A transaction that began before a partition's end can still write a key
+// into it after the end: the partition is summarised only once every
+// transaction running a margin after its end has ended. Without that wait
+// the summary would miss the key, and its redelivery would run again.
+func TestSummariesWaitForTransactionsBegunBeforeAPartitionEnded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var table string
+	boundary := dbClock(t).Truncate(time.Second).Add(2 * time.Second)
+	f := buildFixture(t, nil, idem.Options{}, nil, func(t testing.TB, db *sql.DB) string {
+		table = newEdgeTable(t, db, boundary)
+		return table
+	})
+	db := f.db
+
+	// A delivery whose transaction began before the boundary, and has not
+	// written its key yet.
+	late, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer late.Rollback() //nolint:errcheck // committed below
+	var began time.Time
+	require.NoError(t, late.QueryRowContext(ctx, `SELECT now()`).Scan(&began))
+	require.True(t, began.Before(boundary))
+
+	s := idem.SummariesOf(f.mw)
+	const margin = 500 * time.Millisecond
+	s.Set(margin, 10*time.Second, 100*time.Millisecond)
+	// The clock must pass the boundary (and the margin): nothing else
+	// marks that time.
+	_, err = db.Exec(`SELECT pg_sleep_until($1)`, boundary.Add(margin))
+	require.NoError(t, err)
+	require.NoError(t, s.Refresh(ctx))
+	assert.False(t, s.Ready(), "a transaction begun before the boundary still runs")
+
+	digest := sha256.Sum256([]byte("{}"))
+	_, err = late.ExecContext(ctx, `INSERT INTO "`+table+`" (source, event_id, payload_digest, response_status,
+    response_headers, response_body, completed_at)
+VALUES ('test', 'evt_late', $1, 201, '{}', 'the late original', now())`, digest[:])
+	require.NoError(t, err)
+	require.NoError(t, late.Commit())
+	assert.Equal(t, table+"_p0", f.partitionOf("evt_late"), "dated by its transaction's start")
+
+	awaitSummaries(t, s)
+	r := f.post("evt_late", "{}")
+	assert.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, "the late original", string(r.body))
+	assert.Zero(t, f.runs.Load(), "the redelivery replays")
+	assert.Zero(t, s.FastClaims())
+
+	require.Equal(t, http.StatusCreated, f.post("evt_new", "{}").status)
+	assert.Equal(t, int64(1), s.FastClaims())
+	assert.Equal(t, table+"_p1", f.partitionOf("evt_new"))
+}
+
+// dbClock is the database's clock.
+func dbClock(t testing.TB) time.Time {
+	t.Helper()
+	var now time.Time
+	require.NoError(t, idem.OpenTestDB(t).QueryRow(`SELECT clock_timestamp()`).Scan(&now))
+	return now
+}
+
+// newEdgeTable makes a table partitioned at the times bounds: <table>_p0
+// from MINVALUE to the first, <table>_p1 to the second and so on, the last
+// for a day.
+func newEdgeTable(t testing.TB, db *sql.DB, bounds ...time.Time) string {
+	t.Helper()
+	plain := idem.NewPlainTable(t, db)
+	table := plain + "_edge"
+	at := func(t time.Time) string { return `'` + t.Format(time.RFC3339Nano) + `'` }
+	stmts := []string{`CREATE TABLE "` + table + `" (LIKE "` + plain + `" INCLUDING DEFAULTS) PARTITION BY RANGE (claimed_at)`}
+	from := "MINVALUE"
+	for i, b := range append(bounds, bounds[len(bounds)-1].Add(day)) {
+		stmts = append(stmts, fmt.Sprintf(`CREATE TABLE "%s_p%d" PARTITION OF "%s" (PRIMARY KEY (source, event_id))
+    FOR VALUES FROM (%s) TO (%s)`, table, i, table, from, at(b)))
+		from = at(b)
+	}
+	for _, stmt := range stmts {
+		_, err := db.Exec(stmt)
+		require.NoError(t, err, stmt)
+	}
+	return table
+}
+
+// A claim that Fast sends to the current partition but whose transaction
+// begins after that partition's end (here: it waits for the pool's one
+// connection across the boundary) claims lock-first instead, and its row
+// goes to the partition of its time.
+func TestSummariesClaimBegunPastTheBoundaryClaimsLockFirst(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	boundary := dbClock(t).Truncate(time.Second).Add(3 * time.Second)
+	pool := openPool(t, "", 1)
+	var table string
+	f := buildFixture(t, pool, idem.Options{LockWait: time.Minute, HandlerTimeout: time.Minute}, nil, func(t testing.TB, db *sql.DB) string {
+		table = newEdgeTable(t, db, boundary.Add(-20*time.Second), boundary)
+		return table
+	})
+	s := idem.SummariesOf(f.mw)
+	const margin = 200 * time.Millisecond
+	s.Set(margin, 10*time.Second, 100*time.Millisecond)
+	awaitSummaries(t, s)
+	require.Less(t, dbClock(t), boundary.Add(-margin), "the claim must start in the current partition")
+
+	require.Equal(t, http.StatusCreated, f.post("evt_0", "{}").status) // the middleware has asked for the table's layout
+	fast := s.FastClaims()
+	release := holdOnlyConnection(t, pool)
+	defer release()
+	waits := poolWaits(t, pool)
+	r := f.postAsync("evt_1", "{}")
+	if !onPgx { // pgx counts a wait for a connection once it ends
+		waitFor(t, "the claim to wait for a connection", func() bool { return poolWaits(t, pool) > waits })
+	}
+	_, err := f.db.ExecContext(ctx, `SELECT pg_sleep_until($1)`, boundary.Add(margin))
+	require.NoError(t, err)
+	release()
+
+	reply := <-r
+	assert.Equal(t, http.StatusCreated, reply.status)
+	assert.Equal(t, table+"_p2", f.partitionOf("evt_1"), "the partition of its transaction's time")
+	assert.Equal(t, int64(2), f.runs.Load())
+	if !onPgx {
+		// database/sql chose the current partition before it waited for
+		// its connection; idempgx chooses once it has one.
+		assert.Equal(t, fast+1, s.FastClaims())
+	}
+}
+
+// holdOnlyConnection takes the one connection of db's pool (of the pgx pool
+// standing for it in the pgx pass) until release is called.
+func holdOnlyConnection(t testing.TB, db *sql.DB) (release func()) {
+	t.Helper()
+	if onPgx {
+		c, err := pgxPoolFor(t, db).Acquire(context.Background())
+		require.NoError(t, err)
+		var once sync.Once
+		return func() { once.Do(c.Release) }
+	}
+	c, err := db.Conn(context.Background())
+	require.NoError(t, err)
+	return func() { _ = c.Close() } // a second Close does nothing
+}
