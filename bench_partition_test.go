@@ -151,6 +151,9 @@ func BenchmarkPartitionedTable(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
+					if layout == "daily" || layout == "weekly" {
+						awaitSummaries(b, idem.SummariesOf(mw)) // as an instance running for a while
+					}
 					h := mw.Handler(inner)
 					if path == "new" {
 						prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
