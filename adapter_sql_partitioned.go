@@ -44,9 +44,10 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 }
 
 // beginPartitioned claims on the current partition as on a plain table
-// when the summaries of the past partitions rule the key out, and
-// lock-first across the partitions otherwise, or when the claim's time
-// turned out not to be the current partition's.
+// when the summaries of the past partitions rule the key out, lock-first
+// in the partitions that may hold it when some do not, and lock-first
+// across the partitions when there are no summaries, or when the claim's
+// time turned out not to be the current partition's.
 func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
@@ -56,12 +57,16 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 		// A transaction that began outside c (a long wait for a
 		// connection across a boundary) cannot insert there: its claim
 		// fails with OutsidePartition, before any handler.
-		t, b, err := d.claimPlain(ctx, a, &c.Queries, opts)
+		claim := d.beginLockFirst
+		if c.Plain {
+			claim = d.claimPlain
+		}
+		t, b, err := claim(ctx, a, &c.Queries, opts)
 		if sqlState(err) != driver.OutsidePartition {
 			return t, b, err
 		}
 	}
-	return d.beginLockFirst(ctx, a, opts)
+	return d.beginLockFirst(ctx, a, &d.q, opts)
 }
 
 // Summaries are those of d's table, if partitioned.
@@ -84,14 +89,14 @@ func (d *sqlDriver) query(ctx context.Context, query string, args []any, each fu
 
 // beginLockFirst begins a transaction, takes the key's lock without
 // waiting, and claims the key or reads its row with a new statement.
-func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
+func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args, q *driver.Queries, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
 	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts) // see begin
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
-	t := &sqlTx{tx: tx, q: &d.q, lockFirst: true}
+	t := &sqlTx{tx: tx, q: q, lockFirst: true}
 	var locked bool
-	err = tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&locked)
+	err = tx.QueryRowContext(ctx, q.TryLock, a.Lock).Scan(&locked)
 	var b driver.Begun
 	if err == nil {
 		b, err = t.claimOrRead(ctx, a, locked)

@@ -52,7 +52,7 @@ func TestPartitionedClaimLooksForTheKeyAfterTakingTheLock(t *testing.T) {
 					q.TryLock = `SELECT $1::bigint IS NOT NULL`
 					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "WITH r AS MATERIALIZED (",
 						fmt.Sprintf("WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%d)),\nr AS MATERIALIZED (", lock), 1)
-					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "FROM "+q.Table+" WHERE", "FROM "+q.Table+", l WHERE", 1)
+					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "FROM "+q.Table+" AS k WHERE", "FROM "+q.Table+" AS k, l WHERE", 1)
 				}
 				return &sqlDriver{db: db, q: q}
 			}, Options{KeyFunc: Header("test", "X-Event-Id"), Table: name, LockWait: time.Minute})

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 )
 
@@ -25,10 +26,14 @@ import (
 // handler that commits the transaction itself leaves an unanswered key,
 // never a key that runs again). It returns whether it inserted, and the row
 // it read, if any: a duplicate costs no further statement.
-func claimOrRead(q string) string {
-	return `WITH ` + keyRow(q) + `,
+func claimOrRead(q string) string { return claimOrReadIn(q, q) }
+
+// claimOrReadIn is claimOrRead looking for the key in src (a table, or a
+// parenthesized query of its columns) and inserting it into dst.
+func claimOrReadIn(src, dst string) string {
+	return `WITH ` + keyRow(src) + `,
 ins AS (
-    INSERT INTO ` + q + ` (source, event_id, payload_digest, claimed_at)
+    INSERT INTO ` + dst + ` (source, event_id, payload_digest, claimed_at)
     SELECT $1, $2, $3, now() WHERE $4::boolean AND NOT EXISTS (SELECT FROM r)
     RETURNING true AS won)
 SELECT coalesce((SELECT won FROM ins), false), ` + keyRowColumns
@@ -41,7 +46,37 @@ func keyRow(q string) string {
 	return `r AS MATERIALIZED (
     SELECT payload_digest, response_status, response_headers, response_body, completed_at IS NOT NULL AS done,
            ` + leaseColumns("") + `
-    FROM ` + q + ` WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1)`
+    FROM ` + q + ` AS k WHERE source = $1 AND event_id = $2` + notAhead("") + ` LIMIT 1)`
+}
+
+// keyColumns are the columns a lookup of a key reads from a union of
+// partitions (PartitionQueries), named: a partition attached by hand may
+// order them otherwise.
+const keyColumns = `source, event_id, payload_digest, response_status, response_headers, response_body,
+    claimed_at, completed_at, lease_until, lease_token`
+
+// PartitionQueries are the statements of a lock-first claim on a
+// partitioned table (whose statements are all) that looks for the key in
+// the partitions lookIn only, and inserts it into current (one of them):
+// for a claim whose key the other partitions' summaries rule out
+// (Summaries). A takeover and lease mode keep the table's statements: the
+// row they change may be in any partition.
+func PartitionQueries(all Queries, current string, lookIn []string) Queries {
+	src := `(`
+	for i, p := range lookIn {
+		if i > 0 {
+			src += ` UNION ALL `
+		}
+		src += `SELECT ` + keyColumns + ` FROM ` + p
+	}
+	src += `)`
+	q := all
+	in := NewQueries(src) // its lookups only
+	q.ClaimOrRead = claimOrReadIn(src, current)
+	q.Read, q.Lookup, q.LookupRestoring = in.Read, in.Lookup, in.LookupRestoring
+	q.CompleteClaimedNow = strings.Replace(all.CompleteClaimedNow, all.Table, current, 1)
+	q.InsertCompleted = strings.Replace(all.InsertCompleted, all.Table, current, 1)
+	return q
 }
 
 const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,

@@ -42,11 +42,13 @@ type Summaries struct {
 	margin, every, drain atomic.Int64
 	off                  atomic.Bool
 
-	state atomic.Pointer[summaryState]
-	fast  atomic.Int64 // claims Fast let through
-	busy  atomic.Bool
-	mu    sync.Mutex // one refresh at a time
-	wg    sync.WaitGroup
+	state  atomic.Pointer[summaryState]
+	all    Queries      // the table's statements
+	fast   atomic.Int64 // claims Fast sent to the current partition as plain
+	narrow atomic.Int64 // and lock-first to some partitions
+	busy   atomic.Bool
+	mu     sync.Mutex // one refresh at a time
+	wg     sync.WaitGroup
 }
 
 // LazySummaries makes a table's Summaries on first use: an adapter's,
@@ -74,7 +76,7 @@ type Querier func(ctx context.Context, query string, args []any, each func(scan 
 // NewSummaries returns the summaries of the partitioned table quoted,
 // read through query. Nothing is read until the first Fast.
 func NewSummaries(quoted string, query Querier) *Summaries {
-	s := &Summaries{query: query, table: quoted, seed: maphash.MakeSeed()}
+	s := &Summaries{query: query, table: quoted, seed: maphash.MakeSeed(), all: NewQueries(quoted)}
 	s.Set(time.Minute, 10*time.Second, 2*time.Second)
 	return s
 }
@@ -103,6 +105,9 @@ type summaryState struct {
 	current        *Current
 	currentOID     int64
 	filters        []*bloom
+	pastQuoted     []string // the partitions of filters
+	narrowed       sync.Map // a bit set of filters' indexes -> *Current
+	narrowedCount  atomic.Int64
 	built          map[int64]*bloom // by partition OID
 	closedBefore   time.Time        // a partition that ended by then is closed
 	pendingAt      time.Time        // transactions listed at that time,
@@ -110,11 +115,18 @@ type summaryState struct {
 	currentQueries map[int64]*Current
 }
 
-// Current is the current partition of a partitioned table: its bounds, and
-// its statements, those of a plain table.
+// Current is the current partition of a partitioned table, its bounds,
+// and the statements of a claim there (Fast).
 type Current struct {
 	Queries
 	From, To time.Time
+	// Plain: no past partition holds the key, and Queries are the plain
+	// table's, on the current partition. Otherwise they are lock-first,
+	// looking in the current partition and the past partitions whose
+	// summaries do not rule the key out (PartitionQueries).
+	Plain bool
+
+	quoted string
 }
 
 // Holds reports whether a claim whose transaction began at (by the
@@ -126,10 +138,11 @@ func (c *Current) Holds(at time.Time) bool { return !at.Before(c.From) && at.Bef
 // for Current.Holds.
 const TryLockAt = `SELECT pg_try_advisory_xact_lock($1), now()`
 
-// Fast returns the current partition when a claim of a may be made there
-// as on a plain table, at now by this process's clock; nil when it must
-// claim lock-first across the partitions. It starts a refresh of the
-// summaries in the background when they are due.
+// Fast returns how a claim of a, at now by this process's clock, may skip
+// past partitions: on the current partition as on a plain table, or
+// lock-first looking only in the partitions that may hold the key; nil
+// when it must claim lock-first across every partition. It starts a
+// refresh of the summaries in the background when they are due.
 func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 	if s.off.Load() {
 		return nil
@@ -147,14 +160,42 @@ func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 		return nil
 	}
 	h := s.hash(a)
-	for _, f := range st.filters {
+	var maybe uint64 // the past partitions that may hold the key
+	for i, f := range st.filters {
 		if f.has(h) {
-			return nil
+			if i >= 64 {
+				return nil
+			}
+			maybe |= 1 << i
 		}
 	}
-	s.fast.Add(1)
-	return st.current
+	if maybe == 0 {
+		s.fast.Add(1)
+		return st.current
+	}
+	if c, ok := st.narrowed.Load(maybe); ok {
+		s.narrow.Add(1)
+		return c.(*Current)
+	}
+	if st.narrowedCount.Add(1) > maxNarrowed {
+		return nil
+	}
+	lookIn := []string{st.current.quoted}
+	for i := range st.filters {
+		if maybe&(1<<i) != 0 {
+			lookIn = append(lookIn, st.pastQuoted[i])
+		}
+	}
+	c := &Current{Queries: PartitionQueries(s.all, st.current.quoted, lookIn), From: st.current.From, To: st.current.To}
+	st.narrowed.Store(maybe, c)
+	s.narrow.Add(1)
+	return c
 }
+
+// maxNarrowed bounds the sets of statements kept for claims that look in
+// some past partitions: one per set of partitions (mostly one partition,
+// the filters' false positives aside).
+const maxNarrowed = 1024
 
 // Ready reports whether the last refresh summarised every past partition,
 // so that claims may be fast.
@@ -163,8 +204,12 @@ func (s *Summaries) Ready() bool {
 	return st != nil && st.usable
 }
 
-// FastClaims is how many claims Fast has let through.
+// FastClaims is how many claims Fast has sent to the current partition as
+// on a plain table, NarrowClaims how many lock-first to some partitions.
 func (s *Summaries) FastClaims() int64 { return s.fast.Load() }
+
+// NarrowClaims: see FastClaims.
+func (s *Summaries) NarrowClaims() int64 { return s.narrow.Load() }
 
 // Summarised is a driver of a table that may be partitioned.
 type Summarised interface {
@@ -294,7 +339,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 	if c, ok := next.currentQueries[current.oid]; ok {
 		next.current = c
 	} else {
-		next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to}
+		next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to, Plain: true, quoted: current.quoted}
 		next.currentQueries = map[int64]*Current{current.oid: next.current}
 	}
 
@@ -327,6 +372,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 		}
 		next.built[p.oid] = f
 		next.filters = append(next.filters, f)
+		next.pastQuoted = append(next.pastQuoted, p.quoted)
 	}
 	next.usable = true
 	return nil
