@@ -114,6 +114,7 @@ FROM generate_series(1, %d) AS g`, t, benchPartDays, benchPartDays, keys),
 type partBench struct {
 	h     http.Handler
 	count *benchCounter // statements counted on database/sql only
+	close func()        // its pool's
 }
 
 // newPartBench makes the middleware of a sub-benchmark; parent owns its
@@ -137,6 +138,7 @@ func newPartBench(parent, b *testing.B, adapter, layout string) *partBench {
 	if adapter == "sql" {
 		var db *sql.DB
 		db, pb.count = openBenchPool(parent, nil)
+		pb.close = func() { db.Close() }
 		mw, err = idem.New(db, opts)
 	} else {
 		cfg, perr := pgxpool.ParseConfig(idem.TestDatabaseURL(b))
@@ -149,6 +151,7 @@ func newPartBench(parent, b *testing.B, adapter, layout string) *partBench {
 			b.Fatal(perr)
 		}
 		parent.Cleanup(pool.Close)
+		pb.close = pool.Close
 		mw, err = idempgx.New(pool, opts)
 		inner = benchref.IdemPgxHandler(ledger)
 	}
@@ -189,6 +192,7 @@ const benchWarmUp = 2000
 
 func BenchmarkPartitionedTable(b *testing.B) {
 	built := map[string]*partBench{}
+	var last *partBench // its pool is closed once the next one is made
 	for _, path := range []string{"new", "dup"} {
 		for _, adapter := range []string{"sql", "pgx"} {
 			for _, layout := range []string{"plain", "daily", "weekly", "daily-current-only"} {
@@ -199,8 +203,11 @@ func BenchmarkPartitionedTable(b *testing.B) {
 				b.Run(name, func(sb *testing.B) {
 					pb := built[name]
 					if pb == nil {
+						if last != nil {
+							last.close()
+						}
 						pb = newPartBench(b, sb, adapter, layout)
-						built[name] = pb
+						built[name], last = pb, pb
 					}
 					if path == "new" {
 						prefix := fmt.Sprintf("new-%d-", benchRun.Add(1))
