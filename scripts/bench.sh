@@ -32,7 +32,7 @@ go test -c -o bench/bin/idem.test .
 : > "$OUT"
 for i in $(seq 1 "$COUNT"); do
   echo "== round $i/$COUNT: -bench '$BENCH' -benchtime $BENCHTIME -> $OUT"
-  bench/bin/idem.test -test.run '^$' -test.bench "$BENCH" -test.benchmem -test.count 1 \
+  BENCH_ROUND=$i bench/bin/idem.test -test.run '^$' -test.bench "$BENCH" -test.benchmem -test.count 1 \
     -test.benchtime "$BENCHTIME" -test.timeout 60m | tee -a "$OUT"
 done
 

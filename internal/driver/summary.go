@@ -103,7 +103,6 @@ type summaryState struct {
 	usable bool          // every past partition has a filter, no default partition
 
 	current        *Current
-	currentOID     int64
 	filters        []*bloom
 	pastQuoted     []string // the partitions of filters
 	narrowed       sync.Map // a bit set of filters' indexes -> *Current
