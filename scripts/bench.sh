@@ -10,6 +10,8 @@
 # The rounds are separate `go test -count 1` runs, so that the impls take
 # turns (A B C A B C ...) and a burst of load on the machine falls on all of
 # them alike; go test -count N would run each impl N times in a row.
+# Each round runs with BENCH_ROUND set to its number, so that a benchmark
+# can rotate the order of its variants (BenchmarkPartitionedTable does).
 # Environment: COUNT (rounds, default 6: benchstat needs 6 samples for a
 # confidence interval), BENCH (a -bench regexp, default .),
 # BENCHTIME (default 1s), OUT (where the raw results go, default
