@@ -45,7 +45,14 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 	if partitioned {
 		return d.beginPartitioned(ctx, a)
 	}
-	t, b, err := d.claimPlain(ctx, a, &d.q, d.opts)
+	t, err := d.begin(ctx, &d.q, d.opts)
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
+	b, err := t.claimPlain(ctx, a)
+	if err != nil {
+		_ = t.Rollback(ctx)
+	}
 	if sqlState(err) == driver.NoConflictTarget {
 		// The table has become partitioned (docs/partitioning.md): ask
 		// again, and claim as on one if so.
@@ -54,26 +61,23 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 			return d.beginPartitioned(ctx, a)
 		}
 	}
-	return t, b, err
-}
-
-// claimPlain claims the key with q's plain statements: on a plain table,
-// or on the current partition of a partitioned one.
-func (d *sqlDriver) claimPlain(ctx context.Context, a *driver.Args, q *driver.Queries, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
-	t, err := d.begin(ctx, q, opts)
 	if err != nil {
-		return nil, driver.Begun{}, err
-	}
-	var b driver.Begun
-	b.Won, err = t.Claim(ctx, a)
-	if err == nil && !b.Won {
-		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, q.Lookup, a.Source, a.EventID, a.Lock), nil)
-	}
-	if err != nil {
-		_ = t.Rollback(ctx)
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil
+}
+
+// claimPlain claims the key with t's plain statements, in its open
+// transaction: on a plain table, or on the current partition of a
+// partitioned one.
+func (t *sqlTx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, error) {
+	var b driver.Begun
+	var err error
+	b.Won, err = t.Claim(ctx, a)
+	if err == nil && !b.Won {
+		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	}
+	return b, err
 }
 
 type sqlTx struct {

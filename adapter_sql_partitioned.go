@@ -46,27 +46,44 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 // beginPartitioned claims on the current partition as on a plain table
 // when the summaries of the past partitions rule the key out, lock-first
 // in the partitions that may hold it when some do not, and lock-first
-// across the partitions when there are no summaries, or when the claim's
-// time turned out not to be the current partition's.
+// across the partitions when there are no summaries. Summaries are asked
+// once the transaction has begun (a wait for a connection could otherwise
+// take the claim past the current partition's end); a claim there that
+// fails for a reason of the partitions' (driver.ClaimAgainEverywhere) is
+// made again across every partition.
 func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
 		return nil, driver.Begun{}, err
 	}
+	t, err := d.begin(ctx, &d.q, opts)
+	if err != nil {
+		return nil, driver.Begun{}, err
+	}
 	if c := d.Summaries().Fast(a, time.Now()); c != nil {
-		// A transaction that began outside c (a long wait for a
-		// connection across a boundary) cannot insert there: its claim
-		// fails with OutsidePartition, before any handler.
-		claim := d.beginLockFirst
+		t.q = &c.Queries
+		claim := t.claimLockFirst
 		if c.Plain {
-			claim = d.claimPlain
+			claim = t.claimPlain
 		}
-		t, b, err := claim(ctx, a, &c.Queries, opts)
-		if sqlState(err) != driver.OutsidePartition {
-			return t, b, err
+		b, err := claim(ctx, a)
+		if err == nil {
+			return t, b, nil
+		}
+		_ = t.Rollback(ctx)
+		if !driver.ClaimAgainEverywhere(sqlState(err)) {
+			return nil, driver.Begun{}, err
+		}
+		if t, err = d.begin(ctx, &d.q, opts); err != nil {
+			return nil, driver.Begun{}, err
 		}
 	}
-	return d.beginLockFirst(ctx, a, &d.q, opts)
+	b, err := t.claimLockFirst(ctx, a)
+	if err != nil {
+		_ = t.Rollback(ctx)
+		return nil, driver.Begun{}, err
+	}
+	return t, b, nil
 }
 
 // Summaries are those of d's table, if partitioned.
@@ -87,25 +104,15 @@ func (d *sqlDriver) query(ctx context.Context, query string, args []any, each fu
 	return rows.Err()
 }
 
-// beginLockFirst begins a transaction, takes the key's lock without
-// waiting, and claims the key or reads its row with a new statement.
-func (d *sqlDriver) beginLockFirst(ctx context.Context, a *driver.Args, q *driver.Queries, opts *sql.TxOptions) (driver.Tx, driver.Begun, error) {
-	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts) // see begin
-	if err != nil {
-		return nil, driver.Begun{}, err
-	}
-	t := &sqlTx{tx: tx, q: q, lockFirst: true}
+// claimLockFirst takes the key's lock without waiting and claims the key
+// or reads its row with a new statement, in t's open transaction.
+func (t *sqlTx) claimLockFirst(ctx context.Context, a *driver.Args) (driver.Begun, error) {
+	t.lockFirst = true
 	var locked bool
-	err = tx.QueryRowContext(ctx, q.TryLock, a.Lock).Scan(&locked)
-	var b driver.Begun
-	if err == nil {
-		b, err = t.claimOrRead(ctx, a, locked)
+	if err := t.tx.QueryRowContext(ctx, t.q.TryLock, a.Lock).Scan(&locked); err != nil {
+		return driver.Begun{}, err
 	}
-	if err != nil {
-		_ = tx.Rollback()
-		return nil, driver.Begun{}, err
-	}
-	return t, b, nil
+	return t.claimOrRead(ctx, a, locked)
 }
 
 // claimOrRead sends ClaimOrRead: the claim when locked and no partition

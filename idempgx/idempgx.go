@@ -184,9 +184,10 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 			t.q = &t.current.Queries
 		}
 		begun, err = t.lockAndRead(ctx, a)
-		if errors.Is(err, errOutside) {
-			// Begun outside the current partition: claim lock-first
-			// across the partitions, in a new transaction.
+		if t.current != nil && (errors.Is(err, errOutside) || driver.ClaimAgainEverywhere(sqlState(err))) {
+			// Begun outside the current partition, or a partition gone
+			// since the last listing: claim lock-first across the
+			// partitions, in a new transaction.
 			if _, err = t.c.Exec(ctx, "ROLLBACK"); err == nil {
 				t.open, t.q, t.current = false, &d.q, nil
 				begun, err = t.lockAndRead(ctx, a)

@@ -41,6 +41,7 @@ type Summaries struct {
 	// one: Set.
 	margin, every, drain atomic.Int64
 	off                  atomic.Bool
+	skew                 atomic.Int64 // Skew
 
 	state  atomic.Pointer[summaryState]
 	all    Queries      // the table's statements
@@ -64,10 +65,21 @@ func (l *LazySummaries) Get(quoted string, query Querier) *Summaries {
 	return l.s
 }
 
-// OutsidePartition is the SQLSTATE (check_violation) of a row written to a
-// partition whose bounds do not hold it: a fast claim whose transaction
-// began in another partition's time than Summaries expected.
-const OutsidePartition = "23514"
+// ClaimAgainEverywhere reports whether a claim that Fast sent to some
+// partitions failed, before any handler, for a reason the lock-first claim
+// across every partition does not meet, by its error's SQLSTATE:
+// check_violation (23514), the row written to a partition whose bounds do
+// not hold it (the claim's transaction began after the current partition's
+// end); undefined_table (42P01), a past partition dropped since the last
+// listing; invalid_column_reference (42P10), a current partition without
+// the primary key ON CONFLICT needs.
+func ClaimAgainEverywhere(sqlState string) bool {
+	switch sqlState {
+	case "23514", "42P01", "42P10":
+		return true
+	}
+	return false
+}
 
 // Querier runs query with args and calls each with every row's Scan: how
 // Summaries reads the catalog and a partition's keys through an adapter.
@@ -92,6 +104,9 @@ func (s *Summaries) Set(margin, every, drain time.Duration) {
 
 // Disable makes every claim lock-first; for tests.
 func (s *Summaries) Disable() { s.off.Store(true) }
+
+// Skew moves the clock Fast reads by d; for tests.
+func (s *Summaries) Skew(d time.Duration) { s.skew.Store(int64(d)) }
 
 func (s *Summaries) config() (margin, every, drain time.Duration) {
 	return time.Duration(s.margin.Load()), time.Duration(s.every.Load()), time.Duration(s.drain.Load())
@@ -147,6 +162,7 @@ func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 		return nil
 	}
 	margin, every, _ := s.config()
+	now = now.Add(time.Duration(s.skew.Load()))
 	st := s.state.Load()
 	if st == nil || now.Sub(st.read) >= every {
 		s.refreshInBackground()
@@ -252,21 +268,32 @@ const summaryPartitionsSQL = `SELECT floor(extract(epoch FROM clock_timestamp())
        coalesce(p.oid, 0), coalesce(p.quoted, ''), coalesce(p.dflt, false), coalesce(p.pending, false),
        coalesce(p.lo, -9223372036854775808), coalesce(p.hi, 9223372036854775807)
 FROM (VALUES (1)) AS one LEFT JOIN (
-    SELECT c.oid::int8 AS oid, quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS quoted,
-           b = 'DEFAULT' AS dflt, i.inhdetachpending AS pending,
-           floor(extract(epoch FROM (regexp_match(b, 'FROM \(''([^'']*)''\)'))[1]::timestamptz) * 1e6)::int8 AS lo,
-           floor(extract(epoch FROM (regexp_match(b, 'TO \(''([^'']*)''\)'))[1]::timestamptz) * 1e6)::int8 AS hi
-    FROM pg_inherits i
-    JOIN pg_class c ON c.oid = i.inhrelid
-    JOIN pg_namespace n ON n.oid = c.relnamespace
-    CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b
-    WHERE i.inhparent = to_regclass($1) AND b IS NOT NULL) AS p ON true`
+    SELECT oid, quoted, b = 'DEFAULT' AS dflt, pending,
+           floor(extract(epoch FROM (regexp_match(b, 'FROM [(]''([^'']*)''[)]'))[1]::timestamptz) * 1e6)::int8 AS lo,
+           floor(extract(epoch FROM (regexp_match(b, 'TO [(]''([^'']*)''[)]'))[1]::timestamptz) * 1e6)::int8 AS hi
+    FROM (
+        SELECT c.oid::int8 AS oid, quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS quoted,
+               i.inhdetachpending AS pending,
+               -- The bounds printed in ISO style, whose numeric offsets read
+               -- back exactly whatever the session's TimeZone (other styles
+               -- print zone abbreviations, some of them ambiguous): set for
+               -- this statement's transaction before the bound is printed.
+               CASE WHEN set_config('DateStyle', 'ISO', true) IS NOT NULL
+                    THEN pg_get_expr(c.relpartbound, 0) END AS b
+        FROM pg_inherits i
+        JOIN pg_class c ON c.oid = i.inhrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE i.inhparent = to_regclass($1)) AS q
+    WHERE b IS NOT NULL) AS p ON true`
 
-// runningSQL lists the transactions running (but this one) after the time
-// it returns: the statement's start, before the list is read.
+// runningSQL lists the transactions running in this database (but this
+// one) after the time it returns: the statement's start, before the list
+// is read.
 const runningSQL = `SELECT floor(extract(epoch FROM statement_timestamp()) * 1e6)::int8,
-       coalesce(string_agg(virtualxid::text, ','), '')
-FROM pg_locks WHERE locktype = 'virtualxid' AND pid IS DISTINCT FROM pg_backend_pid()`
+       coalesce(string_agg(l.virtualxid::text, ','), '')
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'virtualxid' AND l.pid <> pg_backend_pid()
+  AND a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())`
 
 // stillRunningSQL counts the transactions of $1 (as runningSQL lists
 // them) still running.
@@ -314,6 +341,11 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 		return nil
 	})
 	if err != nil {
+		if prev != nil {
+			next.built = prev.built
+		}
+		next.read = time.Now() // the next try in Every, claims lock-first meanwhile
+		s.state.Store(next)
 		return err
 	}
 	after := time.Now()
@@ -356,6 +388,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 			return err
 		}
 	}
+	usable := true
 	for _, p := range parts {
 		if p.pending || p.to.After(current.from) {
 			continue // being detached (expired keys), or not in the past
@@ -363,7 +396,8 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 		f := prev.builtFor(p.oid)
 		if f == nil {
 			if p.to.After(next.closedBefore) {
-				return nil // not closed yet: no fast claims
+				usable = false // not closed yet: no fast claims
+				continue
 			}
 			if f, err = s.build(ctx, p.quoted); err != nil {
 				return err
@@ -373,7 +407,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 		next.filters = append(next.filters, f)
 		next.pastQuoted = append(next.pastQuoted, p.quoted)
 	}
-	next.usable = true
+	next.usable = usable
 	return nil
 }
 
