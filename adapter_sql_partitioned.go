@@ -96,12 +96,7 @@ func (d *sqlDriver) query(ctx context.Context, query string, args []any, each fu
 		return err
 	}
 	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
-			return err
-		}
-	}
-	return rows.Err()
+	return driver.EachRow(rows, each)
 }
 
 // claimLockFirst takes the key's lock without waiting and claims the key

@@ -139,17 +139,14 @@ type partition struct {
 	Default  bool
 }
 
-// partitionsSQL lists the partitions of $1 with their bounds, read in the
-// session's own rendering of timestamptz and cast back in it.
+// partitionsSQL lists the partitions of $1 with their bounds.
 const partitionsSQL = `SELECT c.relname, quote_ident(n.nspname) || '.' || quote_ident(c.relname),
-       (regexp_match(b, 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
-       (regexp_match(b, 'TO \(''([^'']*)''\)'))[1]::timestamptz,
-       i.inhdetachpending, b = 'DEFAULT'
+       bounds.lo, bounds.hi, i.inhdetachpending, pb.b = 'DEFAULT'
 FROM pg_inherits i
 JOIN pg_class c ON c.oid = i.inhrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
-CROSS JOIN LATERAL pg_get_expr(c.relpartbound, 0) AS b -- 0: no lock on the partition
-WHERE i.inhparent = to_regclass($1) AND b IS NOT NULL -- NULL: being detached as we read
+` + driver.PartitionBoundsSQL + `
+WHERE i.inhparent = to_regclass($1) AND pb.b IS NOT NULL -- NULL: being detached as we read
 ORDER BY 3 NULLS FIRST, 1`
 
 // listPartitions returns the partitions of t, the lowest first.

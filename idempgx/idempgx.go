@@ -248,12 +248,7 @@ func (d *pgxDriver) query(ctx context.Context, query string, args []any, each fu
 		return err
 	}
 	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
-			return err
-		}
-	}
-	return rows.Err()
+	return driver.EachRow(rows, each)
 }
 
 // lockAndRead takes the key's lock without waiting and reads its row, in

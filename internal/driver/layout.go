@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync/atomic"
 )
 
@@ -74,8 +73,8 @@ func PartitionQueries(all Queries, current string, lookIn []string) Queries {
 	in := NewQueries(src) // its lookups only
 	q.ClaimOrRead = claimOrReadIn(src, current)
 	q.Read, q.Lookup, q.LookupRestoring = in.Read, in.Lookup, in.LookupRestoring
-	q.CompleteClaimedNow = strings.Replace(all.CompleteClaimedNow, all.Table, current, 1)
-	q.InsertCompleted = strings.Replace(all.InsertCompleted, all.Table, current, 1)
+	cur := NewQueries(current) // its writes
+	q.CompleteClaimedNow, q.InsertCompleted = cur.CompleteClaimedNow, cur.InsertCompleted
 	return q
 }
 

@@ -81,6 +81,23 @@ func ClaimAgainEverywhere(sqlState string) bool {
 	return false
 }
 
+// Rows are a query's rows, as *sql.Rows and pgx.Rows have them.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}
+
+// EachRow calls each with every row's Scan, for an adapter's Querier.
+func EachRow(rows Rows, each func(scan func(dest ...any) error) error) error {
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
 // Querier runs query with args and calls each with every row's Scan: how
 // Summaries reads the catalog and a partition's keys through an adapter.
 type Querier func(ctx context.Context, query string, args []any, each func(scan func(dest ...any) error) error) error
@@ -126,7 +143,6 @@ type summaryState struct {
 	closedBefore   time.Time        // a partition that ended by then is closed
 	pendingAt      time.Time        // transactions listed at that time,
 	pending        string           // still to end (virtualxids, comma-separated)
-	currentQueries map[int64]*Current
 }
 
 // Current is the current partition of a partitioned table, its bounds,
@@ -260,6 +276,19 @@ func (s *Summaries) refreshInBackground() {
 // Wait waits for a refresh running in the background to end.
 func (s *Summaries) Wait() { s.wg.Wait() }
 
+// PartitionBoundsSQL follows pg_inherits i JOIN pg_class c (a partition)
+// in a FROM list, for the listings of partitions: b, its bound's text,
+// NULL while it is being detached, 'DEFAULT' for a default partition; lo
+// and hi, its bounds, NULL for MINVALUE and MAXVALUE. The bound is printed
+// in ISO style, whose numeric offsets read back exactly whatever the
+// session's TimeZone (other styles print zone abbreviations, some of them
+// read back as another zone): DateStyle is set for the statement's
+// transaction before the bound is printed.
+const PartitionBoundsSQL = `CROSS JOIN LATERAL (SELECT CASE WHEN set_config('DateStyle', 'ISO', true) IS NOT NULL
+    THEN pg_get_expr(c.relpartbound, 0) END) AS pb(b) -- 0: no lock on the partition
+CROSS JOIN LATERAL (SELECT (regexp_match(pb.b, 'FROM [(]''([^'']*)''[)]'))[1]::timestamptz,
+    (regexp_match(pb.b, 'TO [(]''([^'']*)''[)]'))[1]::timestamptz) AS bounds(lo, hi)`
+
 // summaryPartitionsSQL lists the partitions of $1 with their bounds in
 // microseconds since the epoch (the least and greatest int8 for MINVALUE
 // and MAXVALUE), after the database's clock; one row with OID 0 when
@@ -268,23 +297,14 @@ const summaryPartitionsSQL = `SELECT floor(extract(epoch FROM clock_timestamp())
        coalesce(p.oid, 0), coalesce(p.quoted, ''), coalesce(p.dflt, false), coalesce(p.pending, false),
        coalesce(p.lo, -9223372036854775808), coalesce(p.hi, 9223372036854775807)
 FROM (VALUES (1)) AS one LEFT JOIN (
-    SELECT oid, quoted, b = 'DEFAULT' AS dflt, pending,
-           floor(extract(epoch FROM (regexp_match(b, 'FROM [(]''([^'']*)''[)]'))[1]::timestamptz) * 1e6)::int8 AS lo,
-           floor(extract(epoch FROM (regexp_match(b, 'TO [(]''([^'']*)''[)]'))[1]::timestamptz) * 1e6)::int8 AS hi
-    FROM (
-        SELECT c.oid::int8 AS oid, quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS quoted,
-               i.inhdetachpending AS pending,
-               -- The bounds printed in ISO style, whose numeric offsets read
-               -- back exactly whatever the session's TimeZone (other styles
-               -- print zone abbreviations, some of them ambiguous): set for
-               -- this statement's transaction before the bound is printed.
-               CASE WHEN set_config('DateStyle', 'ISO', true) IS NOT NULL
-                    THEN pg_get_expr(c.relpartbound, 0) END AS b
-        FROM pg_inherits i
-        JOIN pg_class c ON c.oid = i.inhrelid
-        JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE i.inhparent = to_regclass($1)) AS q
-    WHERE b IS NOT NULL) AS p ON true`
+    SELECT c.oid::int8 AS oid, quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS quoted,
+           pb.b = 'DEFAULT' AS dflt, i.inhdetachpending AS pending,
+           floor(extract(epoch FROM bounds.lo) * 1e6)::int8 AS lo, floor(extract(epoch FROM bounds.hi) * 1e6)::int8 AS hi
+    FROM pg_inherits i
+    JOIN pg_class c ON c.oid = i.inhrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    ` + PartitionBoundsSQL + `
+    WHERE i.inhparent = to_regclass($1) AND pb.b IS NOT NULL) AS p ON true`
 
 // runningSQL lists the transactions running in this database (but this
 // one) after the time it returns: the statement's start, before the list
@@ -317,10 +337,9 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 	defer s.mu.Unlock()
 	margin, _, _ := s.config()
 	prev := s.state.Load()
-	next := &summaryState{built: map[int64]*bloom{}, currentQueries: map[int64]*Current{}}
+	next := &summaryState{built: map[int64]*bloom{}}
 	if prev != nil {
 		next.closedBefore, next.pendingAt, next.pending = prev.closedBefore, prev.pendingAt, prev.pending
-		next.currentQueries = prev.currentQueries
 	}
 	var (
 		parts []listedPartition
@@ -367,12 +386,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 	if current == nil {
 		return nil
 	}
-	if c, ok := next.currentQueries[current.oid]; ok {
-		next.current = c
-	} else {
-		next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to, Plain: true, quoted: current.quoted}
-		next.currentQueries = map[int64]*Current{current.oid: next.current}
-	}
+	next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to, Plain: true, quoted: current.quoted}
 
 	// Which past partitions are closed: the transactions listed last time
 	// may have ended; if a partition still waits, list them again.
