@@ -134,15 +134,15 @@ type summaryState struct {
 	offset time.Duration // the database's clock minus this process's
 	usable bool          // every past partition has a filter, no default partition
 
-	current        *Current
-	filters        []*bloom
-	pastQuoted     []string // the partitions of filters
-	narrowed       sync.Map // a bit set of filters' indexes -> *Current
-	narrowedCount  atomic.Int64
-	built          map[int64]*bloom // by partition OID
-	closedBefore   time.Time        // a partition that ended by then is closed
-	pendingAt      time.Time        // transactions listed at that time,
-	pending        string           // still to end (virtualxids, comma-separated)
+	current       *Current
+	filters       []*bloom
+	pastQuoted    []string // the partitions of filters
+	narrowed      sync.Map // a bit set of filters' indexes -> *Current
+	narrowedCount atomic.Int64
+	built         map[int64]*bloom // by partition OID
+	closedBefore  time.Time        // a partition that ended by then is closed
+	pendingAt     time.Time        // transactions listed at that time,
+	pending       string           // still to end (virtualxids, comma-separated)
 }
 
 // Current is the current partition of a partitioned table, its bounds,
