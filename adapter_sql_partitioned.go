@@ -44,13 +44,14 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 }
 
 // beginPartitioned claims on the current partition as on a plain table
-// when the summaries of the past partitions rule the key out, lock-first
-// in the partitions that may hold it when some do not, and lock-first
-// across the partitions when there are no summaries. Summaries are asked
-// once the transaction has begun (a wait for a connection could otherwise
-// take the claim past the current partition's end); a claim there that
-// fails for a reason of the partitions' (driver.ClaimAgainEverywhere) is
-// made again across every partition.
+// when the summaries of the past partitions rule the key out, there too
+// after looking for the key in the past partitions that may hold it when
+// some do not, and lock-first across the partitions when there are no
+// summaries. Summaries are asked once the transaction has begun (a wait
+// for a connection could otherwise take the claim past the current
+// partition's end); a claim there that fails for a reason of the
+// partitions' (driver.ClaimAgainEverywhere) is made again across every
+// partition.
 func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
@@ -62,16 +63,12 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 	}
 	if c := d.Summaries().Fast(a, time.Now()); c != nil {
 		t.q = &c.Queries
-		claim := t.claimLockFirst
-		if c.Plain {
-			claim = t.claimPlain
-		}
-		b, err := claim(ctx, a)
+		b, err := t.claimCurrent(ctx, a, c)
 		if err == nil {
 			return t, b, nil
 		}
 		_ = t.Rollback(ctx)
-		if !driver.ClaimAgainEverywhere(sqlState(err)) {
+		if !driver.ClaimAgainEverywhere(err) {
 			return nil, driver.Begun{}, err
 		}
 		if t, err = d.begin(ctx, &d.q, opts); err != nil {
@@ -84,6 +81,27 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 		return nil, driver.Begun{}, err
 	}
 	return t, b, nil
+}
+
+// claimCurrent claims the key on c, the current partition, in t's open
+// transaction: as on a plain table, or, when some past partitions may hold
+// the key, with ClaimPast, which also reads its row there. A completed row
+// found there is the answer; otherwise, when nothing was inserted, the
+// lookup reads the key's row in c and those partitions, and its lock.
+func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *driver.Current) (driver.Begun, error) {
+	if c.ClaimPast == "" {
+		return t.claimPlain(ctx, a)
+	}
+	var began time.Time
+	b, err := scanClaimed(t.tx.QueryRowContext(ctx, c.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock), &began)
+	if err != nil || b.Won || b.Row.Completed {
+		return b, err
+	}
+	if !c.Holds(began) {
+		return b, driver.ErrOutside
+	}
+	b.Row, err = scanRow(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock), nil)
+	return b, err
 }
 
 // Summaries are those of d's table, if partitioned.
@@ -113,13 +131,25 @@ func (t *sqlTx) claimLockFirst(ctx context.Context, a *driver.Args) (driver.Begu
 // claimOrRead sends ClaimOrRead: the claim when locked and no partition
 // holds the key, else the key's row, if any.
 func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
+	b, err := scanClaimed(t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked), nil)
+	b.Row.GotLock = locked
+	return b, err
+}
+
+// scanClaimed reads the row of ClaimOrRead or ClaimPast: whether it
+// inserted, then (into began, for ClaimPast) the transaction's start, then
+// the key's row it read, if any.
+func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
 	var (
-		b      = driver.Begun{Row: driver.Row{GotLock: locked}}
+		b      driver.Begun
 		status sql.NullInt32
 		done   sql.NullBool
 	)
-	err := t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked).
-		Scan(&b.Won, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive)
+	dest := []any{&b.Won, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive}
+	if began != nil {
+		dest = append(dest[:1], append([]any{began}, dest[1:]...)...)
+	}
+	err := r.Scan(dest...)
 	b.Row.Visible = b.Row.Digest != nil
 	b.Row.Completed = done.Valid && done.Bool
 	b.Row.Status = int(status.Int32)

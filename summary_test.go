@@ -64,6 +64,35 @@ func TestSummariesLetNewKeysClaimOnTheCurrentPartition(t *testing.T) {
 	assert.Equal(t, 3, f.keys())
 }
 
+// A row of a past partition that holds no answer is no answer: the claim
+// reads the key's row and lock again, and a lease-mode row whose lease ran
+// out is taken over (moving to the current partition), one still running
+// is in flight.
+func TestSummariesPastRowsWithoutAnAnswerAreLookedUpUnderTheLock(t *testing.T) {
+	t.Parallel()
+	f := newPartitionedFixture(t, idem.Options{}, nil)
+	for id, until := range map[string]string{"evt_crashed": "now() - interval '1 hour'", "evt_running": "now() + interval '1 hour'"} {
+		f.insertOld(id, 10*day, false)
+		_, err := f.db.Exec(`UPDATE "`+f.table+`" SET lease_until = `+until+`, lease_token = 7 WHERE event_id = $1`, id)
+		require.NoError(t, err)
+	}
+	s := idem.SummariesOf(f.mw)
+	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
+	awaitSummaries(t, s)
+
+	assert.Equal(t, http.StatusConflict, f.post("evt_running", "{}").status)
+	r := f.post("evt_crashed", "{}")
+	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	assert.Equal(t, int64(1), f.runs.Load())
+	require.Equal(t, http.StatusCreated, f.post("evt_new", "{}").status)
+	assert.Equal(t, f.partitionOf("evt_new"), f.partitionOf("evt_crashed"), "taken over: dated by the takeover")
+	var done bool
+	require.NoError(t, f.db.QueryRow(`SELECT completed_at IS NOT NULL FROM "`+f.table+`" WHERE event_id = 'evt_crashed'`).Scan(&done))
+	assert.True(t, done)
+	assert.Equal(t, int64(2), s.NarrowClaims())
+	assert.Equal(t, 3, f.keys())
+}
+
 // A transaction that began before a partition's end can still write a key
 // into it after the end: the partition is summarised only once every
 // transaction running a margin after its end has ended. Without that wait
@@ -172,6 +201,7 @@ func TestSummariesClaimBegunPastTheBoundaryClaimsLockFirst(t *testing.T) {
 		})
 		s = idem.SummariesOf(f.mw)
 		s.Set(margin, time.Hour, 100*time.Millisecond) // no listing after the first
+		f.insertKey("evt_gone", "$5::timestamptz", boundary.Add(-2*time.Hour), true)
 		awaitSummaries(t, s)
 		if dbClock(t).Before(boundary.Add(-margin)) {
 			break
@@ -189,6 +219,14 @@ func TestSummariesClaimBegunPastTheBoundaryClaimsLockFirst(t *testing.T) {
 		assert.Equal(t, table+"_p2", f.partitionOf(id), "the partition of its transaction's time")
 		assert.Equal(t, int64(i+1), s.FastClaims(), "sent to the partition it turned out not to be in")
 	}
-	assert.Equal(t, int64(2), f.runs.Load())
-	assert.Equal(t, 2, f.ledgerRows())
+	// A key the first partition's summary holds, but no partition does (a
+	// false positive): claimed after looking in the past, and refused too.
+	_, err = f.db.Exec(`DELETE FROM "` + table + `" WHERE event_id = 'evt_gone'`)
+	require.NoError(t, err)
+	r := f.post("evt_gone", "{}")
+	assert.Equal(t, http.StatusCreated, r.status, "%s", r.body)
+	assert.Equal(t, table+"_p2", f.partitionOf("evt_gone"))
+	assert.Equal(t, int64(1), s.NarrowClaims())
+	assert.Equal(t, int64(3), f.runs.Load())
+	assert.Equal(t, 3, f.ledgerRows())
 }

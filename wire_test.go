@@ -95,21 +95,24 @@ func (w *wireCounter) serve(c net.Conn) {
 // TestRoundTripsOnTheWire counts, on the wire, the round trips of each path
 // with a pool of one connection, after warm-up (pgx's statement cache
 // filled), the fewest of three samples: a new event whose handler runs one statement, a completed
-// duplicate's first replay on an instance, and a replay from the replay
-// cache. pgx pipelines BEGIN with the claim and the answer with COMMIT.
+// duplicate's first replay on an instance, a replay from the replay cache,
+// and the first replay on an instance of a key answered ten days ago. pgx
+// pipelines BEGIN with the claim and the answer with COMMIT.
 func TestRoundTripsOnTheWire(t *testing.T) {
 	t.Parallel()
-	want := map[string][3]int64{
-		"database/sql": {5, 4, 0}, // B, claim, ledger, UPDATE, C; B, claim, lookup, R
-		"pgx":          {3, 2, 0}, // [B lock read], ledger, [INSERT C]; [B lock read], R
+	want := map[string][4]int64{
+		"database/sql": {5, 4, 0, 4}, // B, claim, ledger, UPDATE, C; B, claim, lookup, R
+		"pgx":          {3, 2, 0, 2}, // [B lock read], ledger, [INSERT C]; [B lock read], R
 	}
 	runs := [][2]string{{"database/sql", ""}, {"pgx", ""}}
 	if idem.PartitionedLayout {
 		// Without summaries of the past partitions, the claim takes the
 		// lock, then reads every partition: one more round trip for a new
 		// event on database/sql. With them, a new key's claim is that of a
-		// plain table.
-		want["database/sql lock-first"] = [3]int64{6, 4, 0} // B, lock, read, ledger, UPDATE, C; B, lock, read, R
+		// plain table, and a key from a past partition is found by the
+		// claim's statement (on database/sql: B, claim, R).
+		want["database/sql"] = [4]int64{5, 4, 0, 3}
+		want["database/sql lock-first"] = [4]int64{6, 4, 0, 4} // B, lock, read, ledger, UPDATE, C; B, lock, read, R
 		want["pgx lock-first"] = want["pgx"]
 		runs = append(runs, [2]string{"database/sql", " lock-first"}, [2]string{"pgx", " lock-first"})
 	}
@@ -122,6 +125,10 @@ func TestRoundTripsOnTheWire(t *testing.T) {
 			u.Host = wc.ln.Addr().String()
 			pool := openPoolURL(t, u.String(), 1)
 			f := newFixtureOn(t, pool, idem.Options{}, nil) // tables and checks on f.db, not through the counter
+			for i := 0; i < 3; i++ {
+				f.insertOld(fmt.Sprintf("warm_old_%d", i), 10*day, true)
+				f.insertOld(fmt.Sprintf("evt_old_%d", i), 10*day, true)
+			}
 			newInstance := func() *idem.Middleware {
 				opts := idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: f.table}
 				var mw *idem.Middleware
@@ -154,18 +161,20 @@ func TestRoundTripsOnTheWire(t *testing.T) {
 				serve(first, w)
 				serve(second, w)
 				serve(second, w)
+				serve(second, fmt.Sprintf("warm_old_%d", i))
 			}
 			// Three samples of each path, the fewest counted: a pool pings a
 			// connection idle for over a second before reusing it, which a
 			// busy machine can cause between two requests.
-			got := [3]int64{1 << 30, 1 << 30, 1 << 30}
+			got := [4]int64{1 << 30, 1 << 30, 1 << 30, 1 << 30}
 			for i := 0; i < 3; i++ {
 				id := fmt.Sprintf("evt_%d", i)
-				for j, n := range []int64{serve(first, id), serve(second, id), serve(second, id)} {
+				for j, n := range []int64{serve(first, id), serve(second, id), serve(second, id), serve(second, fmt.Sprintf("evt_old_%d", i))} {
 					got[j] = min(got[j], n)
 				}
 			}
-			t.Logf("%s%s: new event %d round trips, first replay on an instance %d, cached replay %d", adapter, mode, got[0], got[1], got[2])
+			t.Logf("%s%s: new event %d round trips, first replay on an instance %d, cached replay %d, first replay of a key ten days old %d",
+				adapter, mode, got[0], got[1], got[2], got[3])
 			assert.Equal(t, want[adapter+mode], got)
 			assert.Equal(t, 3+3, f.ledgerRows())
 		})

@@ -183,8 +183,12 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		if t.current = d.Summaries().Fast(a, time.Now()); t.current != nil {
 			t.q = &t.current.Queries
 		}
-		begun, err = t.lockAndRead(ctx, a)
-		if t.current != nil && (errors.Is(err, errOutside) || driver.ClaimAgainEverywhere(sqlState(err))) {
+		if t.current != nil && t.q.ClaimPast != "" {
+			begun, err = t.claimPast(ctx, a)
+		} else {
+			begun, err = t.lockAndRead(ctx, a)
+		}
+		if t.current != nil && driver.ClaimAgainEverywhere(err) {
 			// Begun outside the current partition, or a partition gone
 			// since the last listing: claim lock-first across the
 			// partitions, in a new transaction.
@@ -237,10 +241,6 @@ func (d *pgxDriver) askPartitioned(ctx context.Context) (*bool, error) {
 // Summaries are those of d's table, if partitioned.
 func (d *pgxDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
 
-// errOutside: a claim on the current partition whose transaction began
-// outside it.
-var errOutside = errors.New("the claim's transaction began outside the current partition")
-
 // query is the driver.Querier of the summaries.
 func (d *pgxDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
 	rows, err := d.pool.Query(ctx, query, args...)
@@ -268,7 +268,7 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 	if err == nil && t.current != nil {
 		var began time.Time
 		if err = br.QueryRow().Scan(&begun.Row.GotLock, &began); err == nil && !t.current.Holds(began) {
-			err = errOutside
+			err = driver.ErrOutside
 		}
 	} else if err == nil {
 		err = br.QueryRow().Scan(&begun.Row.GotLock)
@@ -281,6 +281,43 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 	}
 	begun.Won = err == nil && begun.Row.GotLock && !begun.Row.Visible
 	t.insertAtEnd = begun.Won
+	return begun, err
+}
+
+// claimPast claims the key on the current partition with ClaimPast, in a
+// transaction begun in the same round trip: a key that some past
+// partitions may hold, which the statement looks for there first. A
+// completed row found there is the answer; otherwise, when nothing was
+// inserted, the lookup reads the key's row in the current partition and
+// those, and its lock. A key won is inserted now, and its answer stored by
+// an UPDATE.
+func (t *claimTx) claimPast(ctx context.Context, a *driver.Args) (driver.Begun, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock) })
+	var (
+		begun  driver.Begun
+		began  time.Time
+		status *int32
+		done   *bool
+	)
+	if err == nil {
+		r := &begun.Row
+		err = br.QueryRow().Scan(&begun.Won, &began, &r.Digest, &status, &r.Headers, &r.Body, &done, &r.Leased, &r.LeaseLive)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	begun.Row.Visible = begun.Row.Digest != nil
+	begun.Row.Completed = done != nil && *done
+	if status != nil {
+		begun.Row.Status = int(*status)
+	}
+	if err != nil || begun.Won || begun.Row.Completed {
+		return begun, err
+	}
+	if !t.current.Holds(began) {
+		return begun, driver.ErrOutside
+	}
+	begun.Row, err = scanRow(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
 	return begun, err
 }
 

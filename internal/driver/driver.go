@@ -164,6 +164,10 @@ type Queries struct {
 	// ClaimLeaseOrRead is the lease-mode claim on a partitioned table,
 	// sent after TryLock: layout.go.
 	ClaimLeaseOrRead string
+	// ClaimPast, set by PartitionQueries only, claims on the current
+	// partition a key that some closed past partitions may hold, after
+	// looking for it there, in one statement: layout.go.
+	ClaimPast string
 }
 
 // EndLease is the statement of Driver.EndLease: KeepClaim with keep, else

@@ -54,28 +54,52 @@ func keyRow(q string) string {
 const keyColumns = `source, event_id, payload_digest, response_status, response_headers, response_body,
     claimed_at, completed_at, lease_until, lease_token`
 
-// PartitionQueries are the statements of a lock-first claim on a
-// partitioned table (whose statements are all) that looks for the key in
-// the partitions lookIn only, and inserts it into current (one of them):
-// for a claim whose key the other partitions' summaries rule out
-// (Summaries). A takeover and lease mode keep the table's statements: the
-// row they change may be in any partition.
-func PartitionQueries(all Queries, current string, lookIn []string) Queries {
+// PartitionQueries are the statements of a claim on a partitioned table
+// whose key the summaries of the past partitions rule out of all but past
+// (Summaries): the plain table's statements on the current partition
+// (whose own primary key ON CONFLICT uses), except that the claim first
+// looks for the key in past (ClaimPast) and the lookups read past too. The
+// partitions in past are closed: every transaction that could write a row
+// into them has ended, so what a statement finds there does not depend on
+// when its snapshot was taken, and the key's lock need not come first. A
+// takeover keeps the table's statement: the row it changes may be in any
+// partition.
+func PartitionQueries(all Queries, current string, past []string) Queries {
+	q := NewQueries(current)
+	q.Table, q.TakeOver = all.Table, all.TakeOver
+	q.ClaimPast = claimPast(union(past), current)
+	in := NewQueries(union(append([]string{current}, past...)))
+	q.Read, q.Lookup, q.LookupRestoring = in.Read, in.Lookup, in.LookupRestoring
+	return q
+}
+
+// union is a parenthesized query of the key columns of the partitions.
+func union(partitions []string) string {
 	src := `(`
-	for i, p := range lookIn {
+	for i, p := range partitions {
 		if i > 0 {
 			src += ` UNION ALL `
 		}
 		src += `SELECT ` + keyColumns + ` FROM ` + p
 	}
-	src += `)`
-	q := all
-	in := NewQueries(src) // its lookups only
-	q.ClaimOrRead = claimOrReadIn(src, current)
-	q.Read, q.Lookup, q.LookupRestoring = in.Read, in.Lookup, in.LookupRestoring
-	cur := NewQueries(current) // its writes
-	q.CompleteClaimedNow, q.InsertCompleted = cur.CompleteClaimedNow, cur.InsertCompleted
-	return q
+	return src + `)`
+}
+
+// claimPast is the claim on the current partition of a key that some past
+// partitions may hold (src, a union of them): it reads the key's row there
+// and, only when there is none, claims the key in current as the plain
+// Claim does (the key's lock without waiting, then ON CONFLICT). It
+// returns whether it inserted, the transaction's start (Current.Holds),
+// and the row it found in the past, if any: a redelivery of a completed
+// key costs no further statement.
+func claimPast(src, current string) string {
+	return `WITH ` + keyRow(src) + `,
+ins AS (
+    INSERT INTO ` + current + ` (source, event_id, payload_digest)
+    SELECT $1, $2, $3 WHERE NOT EXISTS (SELECT FROM r) AND pg_try_advisory_xact_lock($4)
+    ON CONFLICT (source, event_id) DO NOTHING
+    RETURNING true AS won)
+SELECT coalesce((SELECT won FROM ins), false), now(), ` + keyRowColumns
 }
 
 const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,

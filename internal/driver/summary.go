@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"hash/maphash"
 	"sync"
 	"sync/atomic"
@@ -19,8 +20,11 @@ import (
 // past partition's filter rules out can then claim on the current
 // partition as on a plain table (Fast): that partition has its own primary
 // key, and every claim in flight writes there, the earlier partitions
-// being closed. Any other claim takes the lock-first claim across every
-// partition, as without summaries.
+// being closed. A claim whose key some filters do not rule out claims
+// there too, after looking for the key in those partitions, in the same
+// statement (the lock need not come first: nothing changes in a closed
+// partition). Without summaries a claim takes the lock-first claim across
+// every partition.
 //
 // A partition is taken as closed when, at a time margin past its end, the
 // transactions running (their virtualxid locks in pg_locks) have all
@@ -46,7 +50,7 @@ type Summaries struct {
 	state  atomic.Pointer[summaryState]
 	all    Queries      // the table's statements
 	fast   atomic.Int64 // claims Fast sent to the current partition as plain
-	narrow atomic.Int64 // and lock-first to some partitions
+	narrow atomic.Int64 // and there after looking in some past ones
 	busy   atomic.Bool
 	mu     sync.Mutex // one refresh at a time
 	wg     sync.WaitGroup
@@ -67,19 +71,29 @@ func (l *LazySummaries) Get(quoted string, query Querier) *Summaries {
 
 // ClaimAgainEverywhere reports whether a claim that Fast sent to some
 // partitions failed, before any handler, for a reason the lock-first claim
-// across every partition does not meet, by its error's SQLSTATE:
-// check_violation (23514), the row written to a partition whose bounds do
-// not hold it (the claim's transaction began after the current partition's
-// end); undefined_table (42P01), a past partition dropped since the last
-// listing; invalid_column_reference (42P10), a current partition without
-// the primary key ON CONFLICT needs.
-func ClaimAgainEverywhere(sqlState string) bool {
-	switch sqlState {
-	case "23514", "42P01", "42P10":
+// across every partition does not meet: ErrOutside, or, by the error's
+// SQLSTATE, check_violation (23514), the row written to a partition whose
+// bounds do not hold it (the claim's transaction began after the current
+// partition's end); undefined_table (42P01), a past partition dropped
+// since the last listing; invalid_column_reference (42P10), a current
+// partition without the primary key ON CONFLICT needs.
+func ClaimAgainEverywhere(err error) bool {
+	if errors.Is(err, ErrOutside) {
 		return true
+	}
+	var pe interface{ SQLState() string }
+	if errors.As(err, &pe) {
+		switch pe.SQLState() {
+		case "23514", "42P01", "42P10":
+			return true
+		}
 	}
 	return false
 }
+
+// ErrOutside is the error of a claim Fast sent to the current partition
+// whose transaction began outside it (Current.Holds).
+var ErrOutside = errors.New("the claim's transaction began outside the current partition")
 
 // Rows are a query's rows, as *sql.Rows and pgx.Rows have them.
 type Rows interface {
@@ -148,13 +162,12 @@ type summaryState struct {
 // Current is the current partition of a partitioned table, its bounds,
 // and the statements of a claim there (Fast).
 type Current struct {
+	// Queries are the plain table's, on the current partition. When some
+	// past partitions' summaries do not rule the key out, ClaimPast claims
+	// after looking for the key in those, and the lookups read them too
+	// (PartitionQueries).
 	Queries
 	From, To time.Time
-	// Plain: no past partition holds the key, and Queries are the plain
-	// table's, on the current partition. Otherwise they are lock-first,
-	// looking in the current partition and the past partitions whose
-	// summaries do not rule the key out (PartitionQueries).
-	Plain bool
 
 	quoted string
 }
@@ -169,9 +182,10 @@ func (c *Current) Holds(at time.Time) bool { return !at.Before(c.From) && at.Bef
 const TryLockAt = `SELECT pg_try_advisory_xact_lock($1), now()`
 
 // Fast returns how a claim of a, at now by this process's clock, may skip
-// past partitions: on the current partition as on a plain table, or
-// lock-first looking only in the partitions that may hold the key; nil
-// when it must claim lock-first across every partition. It starts a
+// past partitions: on the current partition as on a plain table, after
+// looking for the key in the past partitions that may hold it, if any
+// (Current.ClaimPast); nil when it must claim lock-first across every
+// partition. It starts a
 // refresh of the summaries in the background when they are due.
 func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 	if s.off.Load() {
@@ -211,13 +225,13 @@ func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 	if st.narrowedCount.Add(1) > maxNarrowed {
 		return nil
 	}
-	lookIn := []string{st.current.quoted}
+	var past []string
 	for i := range st.filters {
 		if maybe&(1<<i) != 0 {
-			lookIn = append(lookIn, st.pastQuoted[i])
+			past = append(past, st.pastQuoted[i])
 		}
 	}
-	c := &Current{Queries: PartitionQueries(s.all, st.current.quoted, lookIn), From: st.current.From, To: st.current.To}
+	c := &Current{Queries: PartitionQueries(s.all, st.current.quoted, past), From: st.current.From, To: st.current.To}
 	st.narrowed.Store(maybe, c)
 	s.narrow.Add(1)
 	return c
@@ -236,7 +250,8 @@ func (s *Summaries) Ready() bool {
 }
 
 // FastClaims is how many claims Fast has sent to the current partition as
-// on a plain table, NarrowClaims how many lock-first to some partitions.
+// on a plain table, NarrowClaims how many there after looking for the key
+// in some past partitions.
 func (s *Summaries) FastClaims() int64 { return s.fast.Load() }
 
 // NarrowClaims: see FastClaims.
@@ -386,7 +401,7 @@ func (s *Summaries) Refresh(ctx context.Context) error {
 	if current == nil {
 		return nil
 	}
-	next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to, Plain: true, quoted: current.quoted}
+	next.current = &Current{Queries: NewQueries(current.quoted), From: current.from, To: current.to, quoted: current.quoted}
 
 	// Which past partitions are closed: the transactions listed last time
 	// may have ended; if a partition still waits, list them again.
