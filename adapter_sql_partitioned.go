@@ -43,11 +43,12 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 	return &o, nil
 }
 
-// beginPartitioned claims on the current partition as on a plain table
-// when the summaries of the past partitions rule the key out, there too
-// after looking for the key in the past partitions that may hold it when
-// some do not, and lock-first across the partitions when there are no
-// summaries. Summaries are asked once the transaction has begun (a wait
+// beginPartitioned answers from a past partition when the summaries find
+// the key's answer there (no transaction); otherwise it claims on the
+// current partition as on a plain table when the summaries of the past
+// partitions rule the key out, there too after looking for the key in the
+// past partitions that may hold it when some do not, and lock-first across
+// the partitions when there are no summaries. Summaries are asked once the transaction has begun (a wait
 // for a connection could otherwise take the claim past the current
 // partition's end); a claim there that fails for a reason of the
 // partitions' (driver.ClaimAgainEverywhere) is made again across every
@@ -56,6 +57,9 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 	opts, err := d.lockFirstOptions()
 	if err != nil {
 		return nil, driver.Begun{}, err
+	}
+	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
+		return nil, driver.Begun{Row: row}, err
 	}
 	t, err := d.begin(ctx, &d.q, opts)
 	if err != nil {

@@ -694,7 +694,9 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 				won, err = tx.TakeOver(ctx, a)
 				tookOver = won
 			case row.Visible:
-				_ = tx.Rollback(ctx)
+				if tx != nil { // nil: the answer was read outside a transaction
+					_ = tx.Rollback(ctx)
+				}
 				return m.answerStored(res, row, a.Digest)
 			default:
 				// No row, and the key's lock is this transaction's: the

@@ -160,8 +160,10 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // and the claim's INSERT, then, for a duplicate, the lookup with ROLLBACK.
 // Either way a first replay costs two round trips.
 //
-// On a partitioned table whose past partitions' summaries rule the key
-// out, the statements are the current partition's (driver.Summaries).
+// On a partitioned table with summaries of its past partitions
+// (driver.Summaries), a key whose answer is in one of them is answered by
+// one statement, outside any transaction; any other claims on the current
+// partition, looking in the past partitions that may hold the key first.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	partitioned := false
 	if !d.lockFirst {
@@ -170,8 +172,10 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	} else if p, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil {
 		return nil, driver.Begun{}, err
-	} else {
-		partitioned = p
+	} else if partitioned = p; p {
+		if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
+			return nil, driver.Begun{Row: row}, err // answered from a past partition, without a transaction
+		}
 	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {

@@ -73,7 +73,8 @@ type Begun struct {
 type Driver interface {
 	// Begin begins a transaction, claims the key in it and, when the claim
 	// inserted nothing, reads the key's row and lock with a new statement.
-	// On error no transaction is left open.
+	// On error no transaction is left open. Tx is nil when the key's
+	// answer was read without a transaction (Summaries.Answered).
 	Begin(ctx context.Context, a *Args) (Tx, Begun, error)
 	// PoolCap is the connection pool's cap, 0 for none.
 	PoolCap() int

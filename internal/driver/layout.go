@@ -85,6 +85,13 @@ func union(partitions []string) string {
 	return src + `)`
 }
 
+// answeredIn is the statement of Summaries.Answered: the answer of the
+// key's row in the partitions past, if it has one.
+func answeredIn(past []string) string {
+	return `SELECT payload_digest, response_status, response_headers, response_body
+FROM ` + union(past) + ` AS k WHERE source = $1 AND event_id = $2 AND completed_at IS NOT NULL LIMIT 1`
+}
+
 // claimPast is the claim on the current partition of a key that some past
 // partitions may hold (src, a union of them): it reads the key's row there
 // and, only when there is none, claims the key in current as the plain

@@ -47,13 +47,14 @@ type Summaries struct {
 	off                  atomic.Bool
 	skew                 atomic.Int64 // Skew
 
-	state  atomic.Pointer[summaryState]
-	all    Queries      // the table's statements
-	fast   atomic.Int64 // claims Fast sent to the current partition as plain
-	narrow atomic.Int64 // and there after looking in some past ones
-	busy   atomic.Bool
-	mu     sync.Mutex // one refresh at a time
-	wg     sync.WaitGroup
+	state   atomic.Pointer[summaryState]
+	all     Queries      // the table's statements
+	fast    atomic.Int64 // claims Fast sent to the current partition as plain
+	narrow  atomic.Int64 // and there after looking in some past ones
+	answers atomic.Int64 // answers read by Answered
+	busy    atomic.Bool
+	mu      sync.Mutex // one refresh at a time
+	wg      sync.WaitGroup
 }
 
 // LazySummaries makes a table's Summaries on first use: an adapter's,
@@ -169,7 +170,8 @@ type Current struct {
 	Queries
 	From, To time.Time
 
-	quoted string
+	quoted   string
+	answered string // Answered's statement, with ClaimPast
 }
 
 // Holds reports whether a claim whose transaction began at (by the
@@ -185,9 +187,49 @@ const TryLockAt = `SELECT pg_try_advisory_xact_lock($1), now()`
 // past partitions: on the current partition as on a plain table, after
 // looking for the key in the past partitions that may hold it, if any
 // (Current.ClaimPast); nil when it must claim lock-first across every
-// partition. It starts a
-// refresh of the summaries in the background when they are due.
+// partition. It starts a refresh of the summaries in the background when
+// they are due.
 func (s *Summaries) Fast(a *Args, now time.Time) *Current {
+	c := s.pick(a, now)
+	switch {
+	case c == nil:
+	case c.ClaimPast == "":
+		s.fast.Add(1)
+	default:
+		s.narrow.Add(1)
+	}
+	return c
+}
+
+// Answered returns the key's answer when a past partition that may hold it
+// (by the summaries, as Fast) does, read with one statement outside any
+// transaction: a closed partition takes no new row and an answered row
+// never changes, so what any snapshot finds there is final, without the
+// key's lock. ok is false when there is no such row or no summaries to
+// say where to look (a past partition dropped since the last listing
+// counts as none); the claim then goes on in a transaction.
+func (s *Summaries) Answered(ctx context.Context, a *Args, now time.Time) (row Row, ok bool, err error) {
+	c := s.pick(a, now)
+	if c == nil || c.answered == "" {
+		return row, false, nil
+	}
+	err = s.query(ctx, c.answered, []any{a.Source, a.EventID}, func(scan func(...any) error) error {
+		row.Visible, row.Completed = true, true
+		return scan(&row.Digest, &row.Status, &row.Headers, &row.Body)
+	})
+	switch {
+	case err != nil && ClaimAgainEverywhere(err):
+		return Row{}, false, nil
+	case err != nil:
+		return Row{}, false, err
+	case row.Visible:
+		s.answers.Add(1)
+	}
+	return row, row.Visible, nil
+}
+
+// pick is Fast, uncounted.
+func (s *Summaries) pick(a *Args, now time.Time) *Current {
 	if s.off.Load() {
 		return nil
 	}
@@ -215,11 +257,9 @@ func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 		}
 	}
 	if maybe == 0 {
-		s.fast.Add(1)
 		return st.current
 	}
 	if c, ok := st.narrowed.Load(maybe); ok {
-		s.narrow.Add(1)
 		return c.(*Current)
 	}
 	if st.narrowedCount.Add(1) > maxNarrowed {
@@ -231,9 +271,9 @@ func (s *Summaries) Fast(a *Args, now time.Time) *Current {
 			past = append(past, st.pastQuoted[i])
 		}
 	}
-	c := &Current{Queries: PartitionQueries(s.all, st.current.quoted, past), From: st.current.From, To: st.current.To}
+	c := &Current{Queries: PartitionQueries(s.all, st.current.quoted, past), From: st.current.From, To: st.current.To,
+		answered: answeredIn(past)}
 	st.narrowed.Store(maybe, c)
-	s.narrow.Add(1)
 	return c
 }
 
@@ -251,8 +291,11 @@ func (s *Summaries) Ready() bool {
 
 // FastClaims is how many claims Fast has sent to the current partition as
 // on a plain table, NarrowClaims how many there after looking for the key
-// in some past partitions.
+// in some past partitions, PastAnswers how many answers Answered read.
 func (s *Summaries) FastClaims() int64 { return s.fast.Load() }
+
+// PastAnswers: see FastClaims.
+func (s *Summaries) PastAnswers() int64 { return s.answers.Load() }
 
 // NarrowClaims: see FastClaims.
 func (s *Summaries) NarrowClaims() int64 { return s.narrow.Load() }
