@@ -163,8 +163,12 @@ func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
 // claimLeaseLockFirst is the lease-mode claim on a partitioned table: in a
 // transaction of its own, the key's lock without waiting, then, with a new
 // statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead),
-// then COMMIT.
+// then COMMIT; or, first, the key's answer read from a past partition
+// (driver.Summaries.Answered).
 func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
+		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction
+	}
 	// READ COMMITTED whatever TxOptions say: this transaction only claims,
 	// and its second statement must see what committed before the lock.
 	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: sql.LevelReadCommitted}) // see begin

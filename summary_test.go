@@ -65,6 +65,25 @@ func TestSummariesLetNewKeysClaimOnTheCurrentPartition(t *testing.T) {
 	assert.Equal(t, 3, f.keys())
 }
 
+// In lease mode too, a key answered in a past partition is replayed from
+// there, and a new key claims as ever.
+func TestSummariesAnswerLeaseModeFromThePast(t *testing.T) {
+	t.Parallel()
+	f := newPartitionedFixture(t, idem.Options{Lease: 10 * time.Second}, nil)
+	f.insertOld("evt_old", 10*day, true)
+	s := idem.SummariesOf(f.mw)
+	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
+	awaitSummaries(t, s)
+
+	r := f.post("evt_old", "{}")
+	assert.Equal(t, http.StatusCreated, r.status)
+	assert.Equal(t, `{"old":"evt_old"}`, string(r.body))
+	assert.Equal(t, int64(1), s.PastAnswers())
+	require.Equal(t, http.StatusCreated, f.post("evt_new", "{}").status)
+	assert.Equal(t, int64(1), f.runs.Load())
+	assert.Equal(t, 2, f.keys())
+}
+
 // A row of a past partition that holds no answer is no answer: the claim
 // reads the key's row and lock again, and a lease-mode row whose lease ran
 // out is taken over (moving to the current partition), one still running

@@ -608,8 +608,12 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 // claimLeaseLockFirst is the lease-mode claim on a partitioned table: BEGIN
 // (READ COMMITTED) with the key's lock taken without waiting, then, with a
 // new statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead)
-// with COMMIT: two round trips.
+// with COMMIT: two round trips; or, first, the key's answer read from a
+// past partition (driver.Summaries.Answered).
 func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
+	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
+		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction
+	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return driver.Lease{}, err
