@@ -103,8 +103,7 @@ func stormOverOldAndNewKeys(t *testing.T, summarised bool) {
 	}
 	s := idem.SummariesOf(f.mw)
 	if summarised {
-		s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
-		awaitSummaries(t, s)
+		summarise(t, f)
 	} else {
 		s.Disable()
 	}

@@ -32,14 +32,23 @@ func awaitSummaries(t testing.TB, s *driver.Summaries) {
 	}
 }
 
+// summarise reads the summaries of the past partitions of f's table, with
+// a margin of a second (the current partition may have begun less than a
+// minute ago), and returns them.
+func summarise(t testing.TB, f *fixture) *driver.Summaries {
+	t.Helper()
+	s := idem.SummariesOf(f.mw)
+	s.Set(time.Second, 10*time.Second, 2*time.Second)
+	awaitSummaries(t, s)
+	return s
+}
+
 func TestSummariesLetNewKeysClaimOnTheCurrentPartition(t *testing.T) {
 	t.Parallel()
 	f := newPartitionedFixture(t, idem.Options{}, nil)
 	f.insertOld("evt_old", 10*day, true)
 	f.insertOld("evt_old_unanswered", 10*day, false)
-	s := idem.SummariesOf(f.mw)
-	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
-	awaitSummaries(t, s)
+	s := summarise(t, f)
 
 	r := f.post("evt_new", "{}")
 	require.Equal(t, http.StatusCreated, r.status)
@@ -71,9 +80,7 @@ func TestSummariesAnswerLeaseModeFromThePast(t *testing.T) {
 	t.Parallel()
 	f := newPartitionedFixture(t, idem.Options{Lease: 10 * time.Second}, nil)
 	f.insertOld("evt_old", 10*day, true)
-	s := idem.SummariesOf(f.mw)
-	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
-	awaitSummaries(t, s)
+	s := summarise(t, f)
 
 	r := f.post("evt_old", "{}")
 	assert.Equal(t, http.StatusCreated, r.status)
@@ -96,9 +103,7 @@ func TestSummariesPastRowsWithoutAnAnswerAreLookedUpUnderTheLock(t *testing.T) {
 		_, err := f.db.Exec(`UPDATE "`+f.table+`" SET lease_until = `+until+`, lease_token = 7 WHERE event_id = $1`, id)
 		require.NoError(t, err)
 	}
-	s := idem.SummariesOf(f.mw)
-	s.Set(time.Second, 10*time.Second, 2*time.Second) // the current partition may have begun less than a minute ago
-	awaitSummaries(t, s)
+	s := summarise(t, f)
 
 	assert.Equal(t, http.StatusConflict, f.post("evt_running", "{}").status)
 	r := f.post("evt_crashed", "{}")
