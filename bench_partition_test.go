@@ -50,8 +50,7 @@ var (
 	benchPartOnce     sync.Once
 	benchPartTables   map[string]string // layout -> table with its ledger "ledger_<table>"
 	benchPartErr      error
-	benchPartDB       *sql.DB // the tables' database
-	benchPartKeyCount int64   // the completed keys in each table
+	benchPartKeyCount int64 // the completed keys in each table
 )
 
 // benchPartitionWorld returns the table of the layout, made and filled once
@@ -65,7 +64,6 @@ func benchPartitionWorld(b *testing.B, layout string) string {
 		}
 		benchPartKeyCount = int64(keys)
 		db := idem.OpenTestDB(b)
-		benchPartDB = db
 		benchPartTables = map[string]string{
 			"plain":  idem.NewPlainTable(b, db),
 			"daily":  idem.NewPartitioned(b, db, 24*time.Hour),
@@ -201,7 +199,7 @@ func newPartBench(parent, b *testing.B, adapter, layout string) *partBench {
 	for _, t := range []string{"plain", "daily", "weekly"} {
 		tables = append(tables, `"`+benchPartTables[t]+`"`)
 	}
-	if _, err := benchPartDB.Exec("VACUUM ANALYZE " + strings.Join(tables, ", ")); err != nil {
+	if _, err := idem.OpenTestDB(b).Exec("VACUUM ANALYZE " + strings.Join(tables, ", ")); err != nil {
 		b.Fatal(err)
 	}
 	return &pb
