@@ -26,7 +26,7 @@ func TestBloomHoldsItsKeysAndFewOthers(t *testing.T) {
 			passed++
 		}
 	}
-	if rate := float64(passed) / (10 * n); rate > 1.0/1000 {
+	if rate := float64(passed) / (10 * n); rate > 1.0/10000 {
 		t.Fatalf("%d of %d other keys got through (%.5f)", passed, 10*n, rate)
 	}
 	// The separator keeps the source and the event id apart.
