@@ -48,11 +48,11 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 // current partition as on a plain table when the summaries of the past
 // partitions rule the key out, there too after looking for the key in the
 // past partitions that may hold it when some do not, and lock-first across
-// the partitions when there are no summaries. Summaries are asked once the transaction has begun (a wait
-// for a connection could otherwise take the claim past the current
-// partition's end); a claim there that fails for a reason of the
-// partitions' (driver.ClaimAgainEverywhere) is made again across every
-// partition.
+// the partitions when there are no summaries. Where to claim is asked once
+// the transaction has begun (a wait for a connection could otherwise take
+// the claim past the current partition's end); a claim there that fails
+// for a reason of the partitions' (driver.ClaimAgainEverywhere) is made
+// again across every partition.
 func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
@@ -149,11 +149,11 @@ func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
 		status sql.NullInt32
 		done   sql.NullBool
 	)
-	dest := []any{&b.Won, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive}
+	dest := []any{&b.Won}
 	if began != nil {
-		dest = append(dest[:1], append([]any{began}, dest[1:]...)...)
+		dest = append(dest, began)
 	}
-	err := r.Scan(dest...)
+	err := r.Scan(append(dest, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive)...)
 	b.Row.Visible = b.Row.Digest != nil
 	b.Row.Completed = done.Valid && done.Bool
 	b.Row.Status = int(status.Int32)
