@@ -443,7 +443,8 @@ func TestLeaseClaimWaitsForARowLockAtMostLockWait(t *testing.T) {
 // A COMMIT that outlives its request (answered 503 at HandlerTimeout, the
 // COMMIT going on) stores the handler's own answer, whatever requests come
 // after it: the answer's buffer is not recycled while the COMMIT reads it.
-// A deferred trigger makes the COMMIT slow. Both modes.
+// A deferred trigger holds the COMMIT on an advisory lock the test holds
+// until the other requests have been answered. Both modes.
 func TestACommitOutlivingItsRequestStoresItsOwnAnswer(t *testing.T) {
 	t.Parallel()
 	for _, lease := range []time.Duration{0, 10 * time.Second} {
@@ -451,7 +452,7 @@ func TestACommitOutlivingItsRequestStoresItsOwnAnswer(t *testing.T) {
 			t.Parallel()
 			want := strings.Repeat("A", 4096)
 			var f *fixture
-			f = newFixture(t, idem.Options{Lease: lease, HandlerTimeout: 300 * time.Millisecond}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			f = newFixture(t, idem.Options{Lease: lease, HandlerTimeout: 2 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				key, _ := idem.KeyFromContext(r.Context())
 				tx, ok := txFrom(r.Context())
 				if !assert.True(t, ok) {
@@ -465,15 +466,23 @@ func TestACommitOutlivingItsRequestStoresItsOwnAnswer(t *testing.T) {
 				}
 			}))
 			_, err := f.db.Exec(`CREATE FUNCTION slow_` + f.ledger + `() RETURNS trigger LANGUAGE plpgsql AS $$
-				BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+				BEGIN PERFORM pg_advisory_xact_lock(hashtext('` + f.ledger + `')); RETURN NULL; END $$;
 				CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON ` + f.ledger + ` DEFERRABLE INITIALLY DEFERRED
 				FOR EACH ROW WHEN (NEW.event_id = 'evt_slow') EXECUTE FUNCTION slow_` + f.ledger + `()`)
+			require.NoError(t, err)
+			ctx := context.Background()
+			gate, err := f.db.Conn(ctx)
+			require.NoError(t, err)
+			defer gate.Close()
+			_, err = gate.ExecContext(ctx, `SELECT pg_advisory_lock(hashtext($1))`, f.ledger)
 			require.NoError(t, err)
 			first := f.post("evt_slow", "{}")
 			assert.Equal(t, http.StatusServiceUnavailable, first.status, "%s", first.body)
 			for i := range 20 { // their bodies and answers go through pooled buffers
 				f.post(fmt.Sprintf("evt_%d", i), strings.Repeat("B", 4096))
 			}
+			_, err = gate.ExecContext(ctx, `SELECT pg_advisory_unlock(hashtext($1))`, f.ledger)
+			require.NoError(t, err)
 			var stored []byte
 			deadline := time.Now().Add(10 * time.Second)
 			for f.db.QueryRow(`SELECT response_body FROM "`+f.table+`" WHERE event_id = 'evt_slow' AND completed_at IS NOT NULL`).Scan(&stored) != nil {

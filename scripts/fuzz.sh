@@ -2,12 +2,12 @@
 # Time-bounded fuzzing of every Fuzz target in the root module: the parsers
 # of untrusted input (key headers, JSON field paths, the Idempotency-Key
 # sf-string), the recorder, and any target added later. One `go test` per
-# target, each for FUZZTIME (default 10s). A failing input is written under
+# target, each for FUZZTIME (default 5s). A failing input is written under
 # the package's testdata/fuzz/<Target>/: commit it, and it becomes a seed
 # that every plain `go test` runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-fuzztime=${FUZZTIME:-10s}
+fuzztime=${FUZZTIME:-5s}
 
 ran=0
 for pkg in $(go list ./...); do

@@ -2,52 +2,61 @@
 # The test command of the README: every module's tests, with the race
 # detector, against the PostgreSQL at DATABASE_URL (default: the local
 # server, postgres@127.0.0.1:5432, trust auth). Fails on any failure.
+#
+# The passes that do not contend run side by side (scripts/steps.sh), and
+# each step prints its seconds; the table at the end shows what each costs.
+# On an idle 2-core machine the whole command takes under 10 minutes: keep
+# it there when adding a step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/steps.sh
 
-echo "== root module: go test -race (database/sql adapter)"
-go test -race -count=1 ./...
+# Tests that do not depend on the adapter or the table's layout (the docs'
+# code compiles, the guarantees table names real tests) run in the first
+# pass only.
+once='^(TestDocCodeCompiles|TestGuaranteesNameRealTests)$'
 
-echo "== root module: the behaviour suite on the pgx adapter (IDEM_ADAPTER=pgx)"
-IDEM_ADAPTER=pgx go test -race -count=1 .
-
+root_sql() { go test -race -count=1 ./...; }
+root_pgx() { IDEM_ADAPTER=pgx go test -race -count=1 -skip "$once" .; }
 # The behaviour suite again on partitioned tables (docs/partitioning.md):
 # every test table range-partitioned by day, on both adapters.
-echo "== root module: the behaviour suite on partitioned tables (IDEM_LAYOUT=partitioned), both adapters"
-for a in sql pgx; do
-  IDEM_ADAPTER=$a IDEM_LAYOUT=partitioned go test -race -count=1 .
+partitioned() { IDEM_ADAPTER=$1 IDEM_LAYOUT=partitioned go test -race -count=1 -skip "$once" .; }
+# The waiting-duplicates cases depend on timing: run them again, on both
+# adapters, so that a lucky pass cannot hide a race.
+waiting() {
+  IDEM_ADAPTER=$1 go test -race -count=3 \
+    -run 'TestWaitingDuplicatesOfAFailedOriginal|TestTakeoverRunsWithTheOriginalsSettings|TestHotKeyDoesNotStarveOtherEvents' .
+}
+# Every benchmark once (-benchtime 1x), so they cannot rot.
+benchmarks() { go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null; }
+examples() { cd examples && go build ./... && go test -race -count=1 ./...; }
+module() { cd "$1" && go test -race -count=1 ./...; }
+bench_module() {
+  cd bench && go build ./... && go test -count=1 ./...
+  cd .. && bash scripts/bench-smoke.sh
+}
+
+together "root module, database/sql adapter: go test -race ./..." root_sql \
+  -- "root module, pgx adapter (IDEM_ADAPTER=pgx)" root_pgx
+together "partitioned tables, database/sql adapter" partitioned sql \
+  -- "partitioned tables, pgx adapter" partitioned pgx
+together "waiting duplicates, 3 times, database/sql adapter" waiting sql \
+  -- "waiting duplicates, 3 times, pgx adapter" waiting pgx \
+  -- "every benchmark once" benchmarks
+
+modules=()
+[ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
+for m in idemgin; do
+  [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
-
-# The waiting-duplicates cases depend on timing: run them repeatedly, on
-# both adapters, so that a lucky pass cannot hide a race.
-echo "== waiting duplicates, 5 times on each adapter"
-for a in sql pgx; do
-  IDEM_ADAPTER=$a go test -race -count=5 -run 'TestWaitingDuplicatesOfAFailedOriginal|TestTakeoverRunsWithTheOriginalsSettings|TestHotKeyDoesNotStarveOtherEvents' .
-done
-
-echo "== root module: every benchmark once (-benchtime 1x), so they cannot rot"
-go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null
-
-if [ -f examples/go.mod ]; then
-  echo "== examples module: build and go test -race"
-  (cd examples && go build ./... && go test -race -count=1 ./...)
-fi
-
-if [ -f idemgin/go.mod ]; then
-  echo "== idemgin module (gin adapter): go test -race"
-  (cd idemgin && go test -race -count=1 ./...)
-fi
-
-if [ -f bench/go.mod ]; then
-  echo "== bench module: build, test, and a short load run"
-  (cd bench && go build ./... && go test -count=1 ./...)
-  [ -f scripts/bench-smoke.sh ] && bash scripts/bench-smoke.sh
-fi
+[ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
+together "${modules[@]}"
 
 # Time-bounded fuzzing of every parser of untrusted input.
-[ -f scripts/fuzz.sh ] && bash scripts/fuzz.sh
+step "fuzzing" bash scripts/fuzz.sh
 
 # The integration suite again, through PgBouncer in transaction mode.
-[ -f scripts/test-pgbouncer.sh ] && bash scripts/test-pgbouncer.sh
+step "PgBouncer passes" bash scripts/test-pgbouncer.sh
 
+steps_summary
 echo "== all tests passed"
