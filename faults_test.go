@@ -397,7 +397,7 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 		},
 		{
 			name:    "HandlerTimeout fires during a query and the handler ignores it",
-			opts:    idem.Options{HandlerTimeout: 200 * time.Millisecond},
+			opts:    idem.Options{HandlerTimeout: time.Second},
 			slow:    longQuery,
 			want:    http.StatusServiceUnavailable,
 			outcome: idem.OutcomeRolledBack,
@@ -406,7 +406,7 @@ func TestTimeoutsMidTransactionRollBack(t *testing.T) {
 			// The handler's own answer to the deadline is replaced by the
 			// timeout's: 503 with Retry-After.
 			name:    "HandlerTimeout fires during a query and the handler answers 500",
-			opts:    idem.Options{HandlerTimeout: 200 * time.Millisecond},
+			opts:    idem.Options{HandlerTimeout: time.Second},
 			slow:    longQuery,
 			report:  true,
 			want:    http.StatusServiceUnavailable,
