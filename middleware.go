@@ -58,7 +58,10 @@ type Options struct {
 	KeyFunc KeyFunc
 
 	// Table is the idempotency table, "" for DefaultTable. It may be
-	// schema-qualified ("billing.webhook_keys"); each part is quoted as given.
+	// schema-qualified ("billing.webhook_keys"). The table and its schema
+	// must each be 1 to 63 characters of a-z, 0-9 and _, not starting with
+	// a digit (a name PostgreSQL reads the same quoted or unquoted): New
+	// refuses any other name, as Migrate, Sweep, Check and Stats do.
 	Table string
 
 	// LockWait is the longest a duplicate waits for an in-flight original to

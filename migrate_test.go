@@ -24,10 +24,10 @@ func TestMigrateCreatesTheIndexForLongTableNames(t *testing.T) {
 		"m_" + strings.Repeat("c", 61), // 63 bytes
 		"m_" + long + "_one",
 		"m_" + long + "_two", // same first 60 bytes as the one before
-		`m_we"ird.x`,         // schema "m_we\"ird" does not exist: refused below
+		"m_no_such_schema.x", // the schema does not exist: refused below
 	} {
 		if strings.Contains(name, ".") {
-			assert.Error(t, Migrate(ctx, db, name), "the schema must exist")
+			assert.ErrorContains(t, Migrate(ctx, db, name), "does not exist", "the schema must exist")
 			continue
 		}
 		require.NoError(t, Migrate(ctx, db, name))

@@ -34,7 +34,8 @@ const (
 // MigrateOptions configures MigrateWith. The zero value of every field
 // means its documented default; the zero MigrateOptions is Migrate's.
 type MigrateOptions struct {
-	// Table is the idempotency table, "" for DefaultTable.
+	// Table is the idempotency table, "" for DefaultTable; a name as
+	// Options.Table takes it, refused before any SQL runs otherwise.
 	Table string
 
 	// PartitionInterval, when positive, creates a missing table

@@ -28,8 +28,10 @@ type table struct {
 	rel    string // the unquoted table name without schema
 }
 
-// parseTable validates a table name: "name" or "schema.name". Each part is
-// used verbatim (case-sensitive) and quoted, so no name can inject SQL.
+// parseTable validates a table name: "name" or "schema.name", each part a
+// lower-case SQL identifier (validIdent). Anything else is refused before
+// any SQL runs. The parts are quoted all the same, so that a name that is
+// also a keyword ("order", "user") works.
 func parseTable(name string) (table, error) {
 	if name == "" {
 		name = DefaultTable
@@ -39,8 +41,8 @@ func parseTable(name string) (table, error) {
 		return table{}, fmt.Errorf("idem: table %q: at most one dot, between schema and table", name)
 	}
 	for _, p := range parts {
-		if p == "" || strings.IndexByte(p, 0) >= 0 || len(p) > 63 {
-			return table{}, fmt.Errorf("idem: table %q: each part must be 1 to 63 bytes without NUL", name)
+		if !validIdent(p) {
+			return table{}, fmt.Errorf("idem: table %q: %s", name, identRule)
 		}
 	}
 	t := table{name: name, rel: parts[len(parts)-1]}
@@ -52,6 +54,28 @@ func parseTable(name string) (table, error) {
 		t.quoted = quoteIdent(parts[0])
 	}
 	return t, nil
+}
+
+// identRule says what validIdent accepts, for its errors.
+const identRule = "the table and its schema must each be 1 to 63 characters of a-z, 0-9 and _, not starting with a digit"
+
+// validIdent reports whether s is a part of a table name idem accepts:
+// [a-z_][a-z0-9_]{0,62}. That is a name PostgreSQL reads the same quoted or
+// not (unquoted identifiers fold to lower case), so the table idem uses is
+// the one an operator's unquoted SQL names; it fits PostgreSQL's 63-byte
+// identifiers without being cut; and it leaves out what would need quoting
+// in every query of the operator's own (upper case, spaces, quotes, $,
+// non-ASCII letters).
+func validIdent(s string) bool {
+	if len(s) == 0 || len(s) > 63 || ('0' <= s[0] && s[0] <= '9') {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // indexName is "<table>_claimed_idx", or, when that would not fit in
@@ -76,6 +100,7 @@ func quoteIdent(s string) string {
 
 // Migrate creates the idempotency table and its index if they do not exist.
 // table "" means DefaultTable; "schema.name" places it in an existing schema.
+// A name that Options.Table would refuse is refused before any SQL runs.
 // It is safe to run twice, and from several processes at once: the DDL runs
 // in one transaction under a transaction-level advisory lock. On a
 // partitioned table it also keeps partitions ready ahead, as MigrateWith

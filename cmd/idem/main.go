@@ -112,7 +112,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem "+cmd.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard) // errors are reported in one line below
 	dbURL := fs.String("database-url", "", "PostgreSQL URL, as pgx takes it (default: $DATABASE_URL)")
-	table := fs.String("table", idem.DefaultTable, `the idempotency table, "name" or "schema.name"`)
+	table := fs.String("table", idem.DefaultTable, `the idempotency table, "name" or "schema.name", each part of a-z, 0-9 and _`)
 	exec := cmd.flags(fs)
 	fs.Usage = func() {} // Parse calls it on errors too; -h is handled below
 	switch err := fs.Parse(args[1:]); {
