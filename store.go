@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strings"
 	"text/template"
+
+	"github.com/pgidem/idem/internal/migration"
 )
 
 // DefaultTable is the table name used when Options.Table (or Migrate's
@@ -113,43 +115,79 @@ func Migrate(ctx context.Context, db *sql.DB, table string) error {
 // creates the table partitioned (see MigrateOptions and
 // docs/partitioning.md).
 func MigrateWith(ctx context.Context, db *sql.DB, opts MigrateOptions) error {
+	_, err := migrate(ctx, db, opts)
+	return err
+}
+
+func init() {
+	migration.Run = func(ctx context.Context, db *sql.DB, opts any) (migration.Result, error) {
+		return migrate(ctx, db, opts.(MigrateOptions))
+	}
+}
+
+// migrate is MigrateWith, returning what it did (for the idem command).
+func migrate(ctx context.Context, db *sql.DB, opts MigrateOptions) (migration.Result, error) {
+	var res migration.Result
 	t, err := parseTable(opts.Table)
 	if err != nil {
-		return err
+		return res, err
 	}
 	if err := opts.validate(); err != nil {
-		return err
+		return res, err
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock(t)); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
-	partitioned, err := migrateLayout(ctx, tx, t, opts)
+	kind, partitioned, err := migrateLayout(ctx, tx, t, opts)
 	if err != nil {
-		return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+	}
+	res.Created, res.Partitioned = kind == 0, partitioned
+	var columns, indexes int
+	if !res.Created {
+		if columns, indexes, err = shape(ctx, tx, t); err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
 	}
 	var ddl strings.Builder
 	if err := schemaTmpl.Execute(&ddl, map[string]any{"Table": t.quoted, "ClaimedIndex": t.index, "Partitioned": partitioned}); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
 	for _, stmt := range splitStatements(ddl.String()) {
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
-			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
 		}
 	}
+	if !res.Created {
+		after, afterIdx, err := shape(ctx, tx, t)
+		if err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
+		res.ColumnsAdded, res.IndexesAdded = after-columns, afterIdx-indexes
+	}
 	if partitioned {
-		if _, err := ensurePartitions(ctx, tx, t, opts.PartitionInterval, opts.ahead()); err != nil {
-			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		if res.PartitionsCreated, err = ensurePartitions(ctx, tx, t, opts.PartitionInterval, opts.ahead()); err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
-	return nil
+	return res, nil
+}
+
+// shape counts the columns and the indexes of the table, for what a
+// migration added to it.
+func shape(ctx context.Context, tx *sql.Tx, t table) (columns, indexes int, err error) {
+	err = tx.QueryRowContext(ctx, `SELECT
+    (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped),
+    (SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1))`, t.quoted).Scan(&columns, &indexes)
+	return columns, indexes, err
 }
 
 // migrateLock is the advisory lock under which Migrate changes the table
