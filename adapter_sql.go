@@ -230,7 +230,7 @@ func scanRow(r *sql.Row, extra any) (driver.Row, error) {
 		status sql.NullInt32
 		done   sql.NullBool
 	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done, &c.Leased, &c.LeaseLive}
+	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done, &c.Leased, &c.LeaseLeft}
 	if extra != nil {
 		dest = append(dest, extra)
 	}

@@ -153,7 +153,7 @@ func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
 	if began != nil {
 		dest = append(dest, began)
 	}
-	err := r.Scan(append(dest, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLive)...)
+	err := r.Scan(append(dest, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLeft)...)
 	b.Row.Visible = b.Row.Digest != nil
 	b.Row.Completed = done.Valid && done.Bool
 	b.Row.Status = int(status.Int32)
@@ -186,7 +186,7 @@ func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		done   sql.NullBool
 	)
 	err = tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token).
-		Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLive)
+		Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
 	if err == nil {
 		err = ctx.Err()
 	}

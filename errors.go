@@ -78,6 +78,8 @@ type Problem struct {
 	Detail string // safe for the caller: never SQL or internal error text
 	Key    Key    // the request's key, when it was extracted
 	Err    error  // the cause; wraps one of the Err* values above
+
+	retryAfter string // Retry-After, when not Options.RetryAfter's
 }
 
 // Problem type URIs, one per kind of answer.

@@ -77,7 +77,8 @@ type Finding struct {
 // CheckOptions configures Check. The zero value of every field means its
 // documented default.
 type CheckOptions struct {
-	// Table is the idempotency table, "" for DefaultTable.
+	// Table is the idempotency table, "" for DefaultTable; a name as
+	// Options.Table takes it.
 	Table string
 
 	// Horizon is the longest retry horizon of the table's senders: keys
@@ -437,7 +438,8 @@ ORDER BY a.xact_start NULLS FIRST, a.pid`, t.quoted)
 // StatsOptions configures Stats. The zero value of every field means its
 // documented default.
 type StatsOptions struct {
-	// Table is the idempotency table, "" for DefaultTable.
+	// Table is the idempotency table, "" for DefaultTable; a name as
+	// Options.Table takes it.
 	Table string
 	// MaxSources is how many sources TableStats lists, the busiest first.
 	// 0 means 100.

@@ -126,5 +126,7 @@ func TestNewValidatesOptions(t *testing.T) {
 	_, err := idem.New(nil, idem.Options{KeyFunc: kf})
 	assert.Error(t, err)
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Table: `odd"schema.tbl`})
-	assert.NoError(t, err, "any name is quoted, not refused")
+	assert.ErrorContains(t, err, "a-z, 0-9 and _", "only lower-case identifiers are taken")
+	_, err = idem.New(db, idem.Options{KeyFunc: kf, Table: "billing.webhook_keys"})
+	assert.NoError(t, err, "a schema-qualified name")
 }

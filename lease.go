@@ -8,11 +8,31 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
 )
+
+// maxLeaseRetryAfter is the longest Retry-After a duplicate of a key whose
+// lease still runs is told to wait (unless Options.RetryAfter is longer):
+// the original may be alive and finish long before its lease ends, and
+// the retry then gets its answer.
+const maxLeaseRetryAfter = time.Minute
+
+// leaseRetryAfter is Retry-After for a duplicate of a key whose lease has
+// left to run: that time, in whole seconds rounded up, at least
+// Options.RetryAfter and at most maxLeaseRetryAfter (or Options.RetryAfter,
+// if that is longer).
+func (m *Middleware) leaseRetryAfter(left time.Duration) string {
+	return seconds(max(m.retryAfterMin, min(left, maxLeaseRetryAfter)))
+}
+
+// seconds renders d as Retry-After does: whole seconds, rounded up.
+func seconds(d time.Duration) string {
+	return strconv.FormatInt(int64((d+time.Second-1)/time.Second), 10)
+}
 
 // releaseTimeout bounds the statement that releases a key after the
 // request's own deadline has passed.
@@ -66,7 +86,7 @@ func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim
 		}
 		row := l.Row
 		switch {
-		case row.Visible && !(row.Leased && !row.LeaseLive):
+		case row.Visible && !(row.Leased && !row.LeaseLive()):
 			res := m.answerStored(claimResult{}, row, a.Digest)
 			return leaseClaim{replay: res.replay}, res.problem, res.outcome
 		case !row.GotLock:

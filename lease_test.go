@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -169,7 +170,7 @@ func TestLeaseDuplicatesAndReleases(t *testing.T) {
 	dup, err := s.post(otherSrv.URL, "evt_live", "{}")
 	require.NoError(t, err)
 	assert.Equal(t, http.StatusConflict, dup.status)
-	assert.Equal(t, "1", dup.header.Get("Retry-After"))
+	assert.Contains(t, []string{"3", "4"}, dup.header.Get("Retry-After"), "the lease's time left, rounded up")
 	g.open()
 	assert.Equal(t, http.StatusCreated, (<-orig).status)
 
@@ -187,6 +188,40 @@ func TestLeaseDuplicatesAndReleases(t *testing.T) {
 		assert.Equal(t, http.StatusCreated, again.status, "%s: the redelivery runs at once: %s", m, again.body)
 	}
 	assert.Equal(t, 4, f.ledgerRows())
+}
+
+// A duplicate of a key whose original died mid-handler, while its lease
+// still runs, is told the truth: retry when the lease runs out. Retry-After
+// is the lease's time left, read by the claim's own statements, in whole
+// seconds rounded up, at least Options.RetryAfter and at most a minute.
+func TestLeaseRetryAfterIsTheTimeLeft(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{Lease: 10 * time.Minute, RetryAfter: 20 * time.Second}, nil)
+	for _, tc := range []struct {
+		id     string
+		left   time.Duration
+		lo, hi int
+	}{
+		{"evt_45s", 45 * time.Second, 40, 45},
+		{"evt_5m", 5 * time.Minute, 60, 60}, // at most a minute
+		{"evt_8s", 8 * time.Second, 20, 20}, // at least RetryAfter
+		{"evt_59s", 59*time.Second + 500*time.Millisecond, 55, 60},
+	} {
+		// The row of an original that claimed the key in lease mode and
+		// died: in progress, its lease running, its token its own.
+		_, err := f.db.Exec(`INSERT INTO "`+f.table+`" (source, event_id, payload_digest, lease_until, lease_token)
+			VALUES ('test', $1, sha256('{}'::bytea), now() + $2 * interval '1 microsecond', 42)`, tc.id, tc.left.Microseconds())
+		require.NoError(t, err)
+		dup := f.post(tc.id, "{}")
+		require.Equal(t, http.StatusConflict, dup.status, "%s: %s", tc.id, dup.body)
+		retry, err := strconv.Atoi(dup.header.Get("Retry-After"))
+		require.NoError(t, err, "%s: Retry-After %q", tc.id, dup.header.Get("Retry-After"))
+		assert.GreaterOrEqual(t, retry, tc.lo, tc.id)
+		assert.LessOrEqual(t, retry, tc.hi, tc.id)
+		inProgress, live := f.leaseRow("test", tc.id)
+		assert.True(t, inProgress && live, "%s: the dead original's lease is left to run out", tc.id)
+	}
+	assert.Zero(t, f.runs.Load(), "no duplicate ran the handler")
 }
 
 // An original whose lease ran out is fenced: the delivery that took the key

@@ -58,7 +58,10 @@ type Options struct {
 	KeyFunc KeyFunc
 
 	// Table is the idempotency table, "" for DefaultTable. It may be
-	// schema-qualified ("billing.webhook_keys"); each part is quoted as given.
+	// schema-qualified ("billing.webhook_keys"). The table and its schema
+	// must each be 1 to 63 characters of a-z, 0-9 and _, not starting with
+	// a digit (a name PostgreSQL reads the same quoted or unquoted): New
+	// refuses any other name, as Migrate, Sweep, Check and Stats do.
 	Table string
 
 	// LockWait is the longest a duplicate waits for an in-flight original to
@@ -97,7 +100,11 @@ type Options struct {
 	ReplayHeaders []string
 
 	// RetryAfter is sent as Retry-After (whole seconds, at least 1) with
-	// 409 and 503 answers. 0 means DefaultRetryAfter (1s).
+	// 409 and 503 answers. 0 means DefaultRetryAfter (1s). In lease mode a
+	// duplicate of a key whose lease still runs gets the lease's time left
+	// instead, rounded up to whole seconds, at least RetryAfter and at most
+	// a minute (or RetryAfter, if that is longer): the original may be alive
+	// and finish sooner, and the retry then gets its answer.
 	RetryAfter time.Duration
 
 	// HandlerTimeout bounds the handler, storing its answer and the commit,
@@ -118,7 +125,8 @@ type Options struct {
 	// handler runs, and the transaction of Tx is begun when the handler
 	// first asks for it; it commits together with the stored answer, only
 	// if the claim still owns the key (else it rolls back and the answer
-	// is 409). A duplicate while the lease lasts gets 409; once it has run
+	// is 409). A duplicate while the lease lasts gets 409, with
+	// Retry-After the lease's time left (see RetryAfter); once it has run
 	// out (the original crashed), the next delivery takes the key over. A
 	// status that is not final, a panic or HandlerTimeout releases the key
 	// when the handler returns. HandlerTimeout must be shorter than Lease,
@@ -239,7 +247,8 @@ type Middleware struct {
 	maxResponse    int
 	cacheStatus    func(int) bool
 	replayHeaders  []string
-	retryAfter     string
+	retryAfter     string        // Retry-After, in seconds
+	retryAfterMin  time.Duration // Options.RetryAfter, or its default
 	handlerTimeout time.Duration
 	lease          time.Duration // > 0: lease mode
 	logger         *slog.Logger
@@ -363,7 +372,7 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 		cacheBytes = DefaultReplayCacheBytes
 	}
 	m.cache = newReplayCache(cacheBytes, ttl)
-	m.retryAfter = strconv.FormatInt(int64((retry+time.Second-1)/time.Second), 10)
+	m.retryAfter, m.retryAfterMin = seconds(retry), retry
 	if m.cacheStatus == nil {
 		m.cacheStatus = func(s int) bool { return s >= 200 && s < 300 }
 	}
@@ -688,7 +697,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 		tookOver := false
 		if err == nil && !won {
 			switch {
-			case row.Leased && !row.LeaseLive && row.GotLock:
+			case row.Leased && !row.LeaseLive() && row.GotLock:
 				// A lease-mode claim whose lease ran out: a crashed (or
 				// frozen) original. Take the key over in this transaction.
 				won, err = tx.TakeOver(ctx, a)
@@ -790,6 +799,9 @@ func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte
 		// A lease-mode original is running (or its lease ran out while
 		// another claim held the key's lock).
 		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+		if row.LeaseLive() {
+			res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
+		}
 	case !row.Completed:
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
 	case subtle.ConstantTimeCompare(row.Digest, digest) != 1:
@@ -1054,7 +1066,11 @@ func (x *exchange) send(status int, body []byte) {
 func (x *exchange) fail(o Outcome, p *Problem) {
 	p.Key = x.obs.Key
 	if p.retryable() {
-		x.w.Header().Set("Retry-After", x.m.retryAfter)
+		retry := x.m.retryAfter
+		if p.retryAfter != "" {
+			retry = p.retryAfter
+		}
+		x.w.Header().Set("Retry-After", retry)
 	}
 	x.obs.Outcome, x.obs.Status, x.obs.Err = o, p.Status, p.Err
 	level := slog.LevelInfo

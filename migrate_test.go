@@ -2,8 +2,12 @@ package idem
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/pgidem/idem/internal/migration"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -24,10 +28,10 @@ func TestMigrateCreatesTheIndexForLongTableNames(t *testing.T) {
 		"m_" + strings.Repeat("c", 61), // 63 bytes
 		"m_" + long + "_one",
 		"m_" + long + "_two", // same first 60 bytes as the one before
-		`m_we"ird.x`,         // schema "m_we\"ird" does not exist: refused below
+		"m_no_such_schema.x", // the schema does not exist: refused below
 	} {
 		if strings.Contains(name, ".") {
-			assert.Error(t, Migrate(ctx, db, name), "the schema must exist")
+			assert.ErrorContains(t, Migrate(ctx, db, name), "does not exist", "the schema must exist")
 			continue
 		}
 		require.NoError(t, Migrate(ctx, db, name))
@@ -37,4 +41,33 @@ func TestMigrateCreatesTheIndexForLongTableNames(t *testing.T) {
 		assert.Equal(t, 2, indexes, "%s (%d bytes): the primary key and the claimed_at index", name, len(name))
 		assert.LessOrEqual(t, len(indexName(name)), 63)
 	}
+}
+
+// The migration reports what it did, for the idem command to say it.
+func TestMigrateReportsWhatItDid(t *testing.T) {
+	t.Parallel()
+	db := openTestDB(t)
+	ctx := context.Background()
+	name := fmt.Sprintf("m_report_%d", tableSeq.Add(1))
+	res, err := migrate(ctx, db, MigrateOptions{Table: name})
+	require.NoError(t, err)
+	assert.Equal(t, migration.Result{Created: true}, res)
+	res, err = migrate(ctx, db, MigrateOptions{Table: name})
+	require.NoError(t, err)
+	assert.Equal(t, migration.Result{}, res, "up to date")
+
+	_, err = db.Exec(`ALTER TABLE ` + name + ` DROP COLUMN lease_token; DROP INDEX ` + quoteIdent(indexName(name)))
+	require.NoError(t, err)
+	res, err = migrate(ctx, db, MigrateOptions{Table: name})
+	require.NoError(t, err)
+	assert.Equal(t, migration.Result{ColumnsAdded: 1, IndexesAdded: 1}, res)
+
+	part := name + "_p"
+	res, err = migration.Run(ctx, db, MigrateOptions{Table: part, PartitionInterval: 24 * time.Hour, PartitionsAhead: 2})
+	require.NoError(t, err)
+	assert.Equal(t, migration.Result{Created: true, Partitioned: true, PartitionsCreated: 3}, res)
+	res, err = migration.Run(ctx, db, MigrateOptions{Table: part, PartitionsAhead: 4})
+	require.NoError(t, err)
+	assert.True(t, res.Partitioned && !res.Created)
+	assert.Contains(t, []int{2, 3}, res.PartitionsCreated, "two more ahead (three when a UTC day began meanwhile)")
 }

@@ -34,7 +34,8 @@ const (
 // MigrateOptions configures MigrateWith. The zero value of every field
 // means its documented default; the zero MigrateOptions is Migrate's.
 type MigrateOptions struct {
-	// Table is the idempotency table, "" for DefaultTable.
+	// Table is the idempotency table, "" for DefaultTable; a name as
+	// Options.Table takes it, refused before any SQL runs otherwise.
 	Table string
 
 	// PartitionInterval, when positive, creates a missing table
@@ -104,29 +105,30 @@ type queryer interface {
 }
 
 // migrateLayout decides whether Migrate works on a partitioned table: one
-// that is, or a missing one with a partition interval.
-func migrateLayout(ctx context.Context, tx *sql.Tx, t table, opts MigrateOptions) (bool, error) {
-	kind, err := relKind(ctx, tx, t)
+// that is, or a missing one with a partition interval. kind is the table's
+// relKind, 0 when it does not exist yet.
+func migrateLayout(ctx context.Context, tx *sql.Tx, t table, opts MigrateOptions) (kind byte, partitioned bool, err error) {
+	kind, err = relKind(ctx, tx, t)
 	switch {
 	case err != nil:
-		return false, err
+		return kind, false, err
 	case kind == 'p':
-		return true, nil
+		return kind, true, nil
 	case kind != 0 && opts.PartitionInterval > 0:
-		return false, errNotPartitioned
+		return kind, false, errNotPartitioned
 	case kind == 0 && opts.PartitionInterval > 0:
 		var version int
 		if err := tx.QueryRowContext(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
-			return false, err
+			return kind, false, err
 		}
 		if version < 140000 {
 			// The sweep detaches partitions CONCURRENTLY, so that claims
 			// never wait for it: PostgreSQL 14 or later.
-			return false, errors.New("partitioned tables need PostgreSQL 14 or later")
+			return kind, false, errors.New("partitioned tables need PostgreSQL 14 or later")
 		}
-		return true, nil
+		return kind, true, nil
 	}
-	return false, nil
+	return kind, false, nil
 }
 
 // partition is one partition of a partitioned table. From and To are its

@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -22,38 +23,36 @@ import (
 // quoted quotes a PostgreSQL identifier, for the tests' own SQL.
 func quoted(ident string) string { return `"` + strings.ReplaceAll(ident, `"`, `""`) + `"` }
 
-func TestTableNamesAreQuotedNeverInjected(t *testing.T) {
+// Table names are lower-case identifiers, optionally schema-qualified:
+// names PostgreSQL reads the same quoted or not. They work end to end
+// (migrate, claim, replay, sweep), keywords included, since idem quotes
+// them all the same; every other name, hostile or merely odd, is refused
+// with an "idem: " error before any SQL runs: on a closed *sql.DB, whose
+// every statement fails with another error, and with the victim table of
+// an injection left standing.
+func TestTableNamesAreValidatedNeverInjected(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, idem.Options{}, nil)
 	victim := "victim_" + f.table
 	_, err := f.db.Exec(`CREATE TABLE ` + victim + ` (v int); INSERT INTO ` + victim + ` VALUES (1)`)
 	require.NoError(t, err)
-	schema := `evil "schema"; DROP TABLE ` + victim + `; --` + f.table
-	_, err = f.db.Exec(`CREATE SCHEMA ` + quoted(schema))
+	schema := "s_" + f.table
+	_, err = f.db.Exec(`CREATE SCHEMA ` + schema)
 	require.NoError(t, err)
 
-	for _, tc := range []struct{ name, schema, rel string }{
-		{"a double quote closing the identifier", "", f.table + `"; DROP TABLE ` + victim + `; --`},
-		{"a single quote closing a literal", "", f.table + `'); DROP TABLE ` + victim + `; --`},
-		{"spaces, case and quotes", "", `Idem ` + f.table + ` "Keys"`},
-		{"a dollar, a backslash and non-ASCII", "", `ïdém_$1\` + f.table},
-		{"a hostile schema", schema, `keys); DELETE FROM ` + victim + `; --`},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			name := tc.rel
-			if tc.schema != "" {
-				name = tc.schema + "." + tc.rel
-			}
-			require.NoError(t, idem.Migrate(ctx, f.db, name))
-			var n int
-			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace
-				WHERE c.relname = $1 AND c.relkind = 'r' AND s.nspname = coalesce(nullif($2, ''), current_schema())`,
-				tc.rel, tc.schema).Scan(&n))
-			assert.Equal(t, 1, n, "the table has exactly the name given")
-
+	t.Run("lower-case identifiers work end to end", func(t *testing.T) {
+		for _, name := range []string{
+			"t_" + f.table,
+			"_" + f.table + "_2",
+			schema + ".keys",
+			schema + ".order", // a keyword: quoted in every statement
+			"m" + strings.Repeat("x", 62),
+			schema + "." + strings.Repeat("y", 63),
+		} {
+			require.NoError(t, idem.Migrate(ctx, f.db, name), name)
 			mw, err := newMW(t, f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
-			require.NoError(t, err)
+			require.NoError(t, err, name)
 			h := mw.Handler(f.ledgerHandler())
 			var bodies []string
 			for i := 0; i < 2; i++ {
@@ -61,34 +60,76 @@ func TestTableNamesAreQuotedNeverInjected(t *testing.T) {
 				req := httptest.NewRequest(http.MethodPost, "/", strings.NewReader("{}"))
 				req.Header.Set("X-Event-Id", "evt_1")
 				h.ServeHTTP(rec, req)
-				require.Equal(t, http.StatusCreated, rec.Code, "%s", rec.Body)
+				require.Equal(t, http.StatusCreated, rec.Code, "%s: %s", name, rec.Body)
 				bodies = append(bodies, rec.Body.String())
 			}
-			assert.Equal(t, bodies[0], bodies[1], "claimed, completed and replayed through the quoted name")
-			table := quoted(tc.rel)
-			if tc.schema != "" {
-				table = quoted(tc.schema) + "." + table
-			}
-			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+table).Scan(&n))
-			assert.Equal(t, 1, n)
-
-			res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: name, Retention: time.Hour, UnsafeShortRetention: true, Pause: -1})
-			require.NoError(t, err)
-			assert.Zero(t, res.Removed)
-			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+victim).Scan(&n), "the victim table survived")
-			assert.Equal(t, 1, n)
-		})
-	}
-
-	t.Run("names that cannot be quoted safely are refused before any SQL", func(t *testing.T) {
-		for _, name := range []string{"a.b.c", "a\x00b", ".a", "a.", strings.Repeat("x", 64), "s." + strings.Repeat("y", 64)} {
-			_, err := idem.New(f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
-			assert.Error(t, err, "%q", name)
-			assert.Error(t, idem.Migrate(ctx, f.db, name), "%q", name)
-			_, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: name})
-			assert.Error(t, err, "%q", name)
+			assert.Equal(t, bodies[0], bodies[1], "%s: claimed, completed and replayed", name)
+			var n int
+			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+quotedName(name)).Scan(&n))
+			assert.Equal(t, 1, n, name)
+			_, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: name, Retention: time.Hour, UnsafeShortRetention: true, Pause: -1})
+			require.NoError(t, err, name)
 		}
 	})
+
+	closed := idem.OpenTestDB(t)
+	dsn, _ := idem.DSNOf(closed)
+	closed, err = sql.Open("pgx", dsn)
+	require.NoError(t, err)
+	require.NoError(t, closed.Close())
+	refused := map[string][]string{
+		"a double quote":       {`a"b`, f.table + `"; DROP TABLE ` + victim + `; --`, `"` + f.table + `"`},
+		"a single quote":       {`a'b`, f.table + `'); DROP TABLE ` + victim + `; --`},
+		"spaces":               {"a b", " a", "a ", "a\tb", "a\nb"},
+		"upper case":           {"Webhooks", "WEBHOOK_IDEMPOTENCY", "public.Keys", "Public.keys"},
+		"a leading digit":      {"1keys", "public.2keys", "9.keys"},
+		"other punctuation":    {"a-b", "a$b", "a;b", "a/b", `a\b`, "a(b)", "a*", "a,b"},
+		"dots in wrong places": {".", "..", ".a", "a.", "a..b", "a.b.c", "public..keys"},
+		"too long":             {strings.Repeat("x", 64), "s." + strings.Repeat("y", 64), strings.Repeat("s", 64) + ".keys"},
+		"non-ASCII":            {"ïdém", "tаble" /* Cyrillic a */, "keys\u00a0", "ключи", "é.keys"},
+		"control bytes":        {"a\x00b", "a\x7fb", "\x00"},
+		"invalid UTF-8":        {"a\xffb"},
+	}
+	for kind, names := range refused {
+		t.Run("refused before any SQL: "+kind, func(t *testing.T) {
+			for _, name := range names {
+				_, err := idem.New(closed, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
+				assertRefusedName(t, err, name)
+				_, err = newMW(t, f.db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"), Table: name})
+				assertRefusedName(t, err, name)
+				assertRefusedName(t, idem.Migrate(ctx, closed, name), name)
+				assertRefusedName(t, idem.MigrateWith(ctx, closed, idem.MigrateOptions{Table: name, PartitionInterval: 24 * time.Hour}), name)
+				_, err = idem.Sweep(ctx, closed, idem.SweepOptions{Table: name})
+				assertRefusedName(t, err, name)
+				_, err = idem.Check(ctx, closed, idem.CheckOptions{Table: name})
+				assertRefusedName(t, err, name)
+				_, err = idem.Stats(ctx, closed, idem.StatsOptions{Table: name})
+				assertRefusedName(t, err, name)
+			}
+		})
+	}
+	var n int
+	require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+victim).Scan(&n), "the victim table survived")
+	assert.Equal(t, 1, n)
+}
+
+// quotedName quotes each part of a table name, for the tests' own SQL.
+func quotedName(name string) string {
+	parts := strings.Split(name, ".")
+	for i, p := range parts {
+		parts[i] = quoted(p)
+	}
+	return strings.Join(parts, ".")
+}
+
+// assertRefusedName checks the error of a refused table name: the
+// library's own, naming the table, not one from the database.
+func assertRefusedName(t *testing.T, err error, name string) {
+	t.Helper()
+	if assert.Error(t, err, "%q", name) {
+		assert.True(t, strings.HasPrefix(err.Error(), fmt.Sprintf("idem: table %q: ", name)), "%q: %v", name, err)
+		assert.NotContains(t, err.Error(), "closed", "%q: no SQL ran", name)
+	}
 }
 
 // TestKeysAreScopedBySource plays a sender (tenant) that knows or guesses

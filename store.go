@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strings"
 	"text/template"
+
+	"github.com/pgidem/idem/internal/migration"
 )
 
 // DefaultTable is the table name used when Options.Table (or Migrate's
@@ -28,8 +30,10 @@ type table struct {
 	rel    string // the unquoted table name without schema
 }
 
-// parseTable validates a table name: "name" or "schema.name". Each part is
-// used verbatim (case-sensitive) and quoted, so no name can inject SQL.
+// parseTable validates a table name: "name" or "schema.name", each part a
+// lower-case SQL identifier (validIdent). Anything else is refused before
+// any SQL runs. The parts are quoted all the same, so that a name that is
+// also a keyword ("order", "user") works.
 func parseTable(name string) (table, error) {
 	if name == "" {
 		name = DefaultTable
@@ -39,8 +43,8 @@ func parseTable(name string) (table, error) {
 		return table{}, fmt.Errorf("idem: table %q: at most one dot, between schema and table", name)
 	}
 	for _, p := range parts {
-		if p == "" || strings.IndexByte(p, 0) >= 0 || len(p) > 63 {
-			return table{}, fmt.Errorf("idem: table %q: each part must be 1 to 63 bytes without NUL", name)
+		if !validIdent(p) {
+			return table{}, fmt.Errorf("idem: table %q: %s", name, identRule)
 		}
 	}
 	t := table{name: name, rel: parts[len(parts)-1]}
@@ -52,6 +56,28 @@ func parseTable(name string) (table, error) {
 		t.quoted = quoteIdent(parts[0])
 	}
 	return t, nil
+}
+
+// identRule says what validIdent accepts, for its errors.
+const identRule = "the table and its schema must each be 1 to 63 characters of a-z, 0-9 and _, not starting with a digit"
+
+// validIdent reports whether s is a part of a table name idem accepts:
+// [a-z_][a-z0-9_]{0,62}. That is a name PostgreSQL reads the same quoted or
+// not (unquoted identifiers fold to lower case), so the table idem uses is
+// the one an operator's unquoted SQL names; it fits PostgreSQL's 63-byte
+// identifiers without being cut; and it leaves out what would need quoting
+// in every query of the operator's own (upper case, spaces, quotes, $,
+// non-ASCII letters).
+func validIdent(s string) bool {
+	if len(s) == 0 || len(s) > 63 || ('0' <= s[0] && s[0] <= '9') {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // indexName is "<table>_claimed_idx", or, when that would not fit in
@@ -76,6 +102,7 @@ func quoteIdent(s string) string {
 
 // Migrate creates the idempotency table and its index if they do not exist.
 // table "" means DefaultTable; "schema.name" places it in an existing schema.
+// A name that Options.Table would refuse is refused before any SQL runs.
 // It is safe to run twice, and from several processes at once: the DDL runs
 // in one transaction under a transaction-level advisory lock. On a
 // partitioned table it also keeps partitions ready ahead, as MigrateWith
@@ -88,43 +115,79 @@ func Migrate(ctx context.Context, db *sql.DB, table string) error {
 // creates the table partitioned (see MigrateOptions and
 // docs/partitioning.md).
 func MigrateWith(ctx context.Context, db *sql.DB, opts MigrateOptions) error {
+	_, err := migrate(ctx, db, opts)
+	return err
+}
+
+func init() {
+	migration.Run = func(ctx context.Context, db *sql.DB, opts any) (migration.Result, error) {
+		return migrate(ctx, db, opts.(MigrateOptions))
+	}
+}
+
+// migrate is MigrateWith, returning what it did (for the idem command).
+func migrate(ctx context.Context, db *sql.DB, opts MigrateOptions) (migration.Result, error) {
+	var res migration.Result
 	t, err := parseTable(opts.Table)
 	if err != nil {
-		return err
+		return res, err
 	}
 	if err := opts.validate(); err != nil {
-		return err
+		return res, err
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock(t)); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
-	partitioned, err := migrateLayout(ctx, tx, t, opts)
+	kind, partitioned, err := migrateLayout(ctx, tx, t, opts)
 	if err != nil {
-		return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+	}
+	res.Created, res.Partitioned = kind == 0, partitioned
+	var columns, indexes int
+	if !res.Created {
+		if columns, indexes, err = shape(ctx, tx, t); err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
 	}
 	var ddl strings.Builder
 	if err := schemaTmpl.Execute(&ddl, map[string]any{"Table": t.quoted, "ClaimedIndex": t.index, "Partitioned": partitioned}); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
 	for _, stmt := range splitStatements(ddl.String()) {
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
-			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
 		}
 	}
+	if !res.Created {
+		after, afterIdx, err := shape(ctx, tx, t)
+		if err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		}
+		res.ColumnsAdded, res.IndexesAdded = after-columns, afterIdx-indexes
+	}
 	if partitioned {
-		if _, err := ensurePartitions(ctx, tx, t, opts.PartitionInterval, opts.ahead()); err != nil {
-			return fmt.Errorf("idem: migrate %s: %w", t.name, err)
+		if res.PartitionsCreated, err = ensurePartitions(ctx, tx, t, opts.PartitionInterval, opts.ahead()); err != nil {
+			return res, fmt.Errorf("idem: migrate %s: %w", t.name, err)
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return res, fmt.Errorf("idem: migrate: %w", err)
 	}
-	return nil
+	return res, nil
+}
+
+// shape counts the columns and the indexes of the table, for what a
+// migration added to it.
+func shape(ctx context.Context, tx *sql.Tx, t table) (columns, indexes int, err error) {
+	err = tx.QueryRowContext(ctx, `SELECT
+    (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped),
+    (SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1))`, t.quoted).Scan(&columns, &indexes)
+	return columns, indexes, err
 }
 
 // migrateLock is the advisory lock under which Migrate changes the table

@@ -45,7 +45,8 @@ var ErrUnsafeRetention = errors.New("idem: retention shorter than the providers'
 // SweepOptions configures Sweep and RunSweeper. The zero value of every field
 // means its documented default.
 type SweepOptions struct {
-	// Table is the idempotency table, "" for DefaultTable.
+	// Table is the idempotency table, "" for DefaultTable; a name as
+	// Options.Table takes it.
 	Table string
 
 	// Retention is how long a key is kept after its claim: a key whose

@@ -305,7 +305,7 @@ func (t *claimTx) claimPast(ctx context.Context, a *driver.Args) (driver.Begun, 
 	)
 	if err == nil {
 		r := &begun.Row
-		err = br.QueryRow().Scan(&begun.Won, &began, &r.Digest, &status, &r.Headers, &r.Body, &done, &r.Leased, &r.LeaseLive)
+		err = br.QueryRow().Scan(&begun.Won, &began, &r.Digest, &status, &r.Headers, &r.Body, &done, &r.Leased, &r.LeaseLeft)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -362,7 +362,7 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 // scanRead reads the Read statement's row into row; no row is Visible false.
 func scanRead(r pgx.Row, row driver.Row) (driver.Row, error) {
 	var status *int32
-	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed, &row.Leased, &row.LeaseLive)
+	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed, &row.Leased, &row.LeaseLeft)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return row, nil
 	}
@@ -382,7 +382,7 @@ func scanRow(r pgx.Row, extra any) (driver.Row, error) {
 		c      driver.Row
 		status *int32
 	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed, &c.Leased, &c.LeaseLive}
+	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed, &c.Leased, &c.LeaseLeft}
 	if extra != nil {
 		dest = append(dest, extra)
 	}
@@ -639,7 +639,7 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		took, done *bool
 		status     *int32
 	)
-	err = br.QueryRow().Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLive)
+	err = br.QueryRow().Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
 	if err == nil {
 		_, err = br.Exec()
 	}

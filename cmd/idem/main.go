@@ -1,14 +1,17 @@
 // Command idem operates an idem idempotency table, from a shell, a cron job
 // or a Kubernetes CronJob:
 //
-//	idem migrate                         create or update the table
+//	idem migrate                         create or update the table; says which it did
 //	idem migrate -partition-interval 24h create it partitioned by day (docs/partitioning.md)
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
 //	idem stats                           keys by source, completed and in flight
+//	idem version                         the module version and VCS revision of this build
 //
-// Every command takes -database-url (default: $DATABASE_URL) and -table
-// (default: webhook_idempotency); idem <command> -h lists its flags.
+// Every command but version takes -database-url (default: $DATABASE_URL)
+// and -table (default: webhook_idempotency); idem <command> -h lists its
+// flags. check and stats take -json for a JSON document on stdout instead of
+// the text report (docs/operations.md describes it).
 //
 // Exit codes: 0 success (check: healthy); 1 check found warnings; 2 check
 // found critical problems; 3 the command failed (bad usage, database
@@ -25,6 +28,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -32,6 +36,7 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/migration"
 )
 
 // Exit codes.
@@ -51,9 +56,11 @@ Commands:
   sweep     delete expired keys in bounded batches: one run, then exit
   check     report the table's health; the exit code says how bad
   stats     count keys by source, completed and in flight
+  version   print the module version and VCS revision of this build
 
-Every command takes -database-url (default: $DATABASE_URL) and -table
-(default: webhook_idempotency). Run idem <command> -h for its flags.
+Every command but version takes -database-url (default: $DATABASE_URL) and
+-table (default: webhook_idempotency); check and stats take -json. Run
+idem <command> -h for its flags.
 
 Exit codes:
   0  success; for check: healthy
@@ -86,12 +93,24 @@ var commands = []command{
 // run runs the command line args and returns the exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintln(stderr, "idem: missing command (migrate, sweep, check or stats); see idem -h")
+		fmt.Fprintln(stderr, "idem: missing command (migrate, sweep, check, stats or version); see idem -h")
 		return exitFailed
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
+		return exitOK
+	case "version", "-version", "--version":
+		if len(args) == 2 && (args[1] == "-h" || args[1] == "-help" || args[1] == "--help") {
+			fmt.Fprint(stdout, "Usage: idem version\n\nPrint the module version of this build and, when the build recorded it, the VCS revision.\n")
+			return exitOK
+		}
+		if len(args) > 1 {
+			fmt.Fprintf(stderr, "idem version: unexpected argument %q\n", args[1])
+			return exitFailed
+		}
+		bi, _ := debug.ReadBuildInfo()
+		fmt.Fprint(stdout, versionText(bi))
 		return exitOK
 	}
 	var cmd *command
@@ -101,7 +120,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if cmd == nil {
-		fmt.Fprintf(stderr, "idem: unknown command %q (migrate, sweep, check or stats); see idem -h\n", args[0])
+		fmt.Fprintf(stderr, "idem: unknown command %q (migrate, sweep, check, stats or version); see idem -h\n", args[0])
 		return exitFailed
 	}
 	fail := func(err error) int {
@@ -112,7 +131,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idem "+cmd.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard) // errors are reported in one line below
 	dbURL := fs.String("database-url", "", "PostgreSQL URL, as pgx takes it (default: $DATABASE_URL)")
-	table := fs.String("table", idem.DefaultTable, `the idempotency table, "name" or "schema.name"`)
+	table := fs.String("table", idem.DefaultTable, `the idempotency table, "name" or "schema.name", each part of a-z, 0-9 and _`)
 	exec := cmd.flags(fs)
 	fs.Usage = func() {} // Parse calls it on errors too; -h is handled below
 	switch err := fs.Parse(args[1:]); {
@@ -156,13 +175,41 @@ func migrateFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Wr
 		if *ahead <= 0 {
 			return 0, errors.New("-partitions-ahead must be positive")
 		}
-		err := idem.MigrateWith(ctx, db, idem.MigrateOptions{Table: table, PartitionInterval: *interval, PartitionsAhead: *ahead})
+		res, err := migration.Run(ctx, db, idem.MigrateOptions{Table: table, PartitionInterval: *interval, PartitionsAhead: *ahead})
 		if err != nil {
 			return 0, err
 		}
-		fmt.Fprintf(stdout, "table %q is up to date\n", table)
+		fmt.Fprintln(stdout, migrated(table, res))
 		return exitOK, nil
 	}
+}
+
+// migrated says what a migration of table did.
+func migrated(table string, r migration.Result) string {
+	switch {
+	case r.Created && r.Partitioned:
+		return fmt.Sprintf("created table %q, partitioned on claimed_at, with its index and %d %s from the current one",
+			table, r.PartitionsCreated, plural(r.PartitionsCreated, "partition", "partitions"))
+	case r.Created:
+		return fmt.Sprintf("created table %q with its index", table)
+	}
+	var added []string
+	for _, n := range []struct {
+		n         int
+		one, many string
+	}{
+		{r.ColumnsAdded, "column", "columns"},
+		{r.IndexesAdded, "index", "indexes"},
+		{r.PartitionsCreated, "partition", "partitions"},
+	} {
+		if n.n > 0 {
+			added = append(added, fmt.Sprintf("%d %s", n.n, plural(n.n, n.one, n.many)))
+		}
+	}
+	if len(added) == 0 {
+		return fmt.Sprintf("table %q is up to date", table)
+	}
+	return fmt.Sprintf("table %q updated: added %s", table, strings.Join(added, ", "))
 }
 
 func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
@@ -215,6 +262,7 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 	retention := fs.Duration("retention", idem.DefaultRetention, "the sweeper's -retention")
 	stuck := fs.Duration("stuck-after", idem.DefaultStuckAfter, "report claims in flight for longer than this")
 	grace := fs.Duration("overdue-grace", idem.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
+	asJSON := fs.Bool("json", false, "print the report as one JSON document (docs/operations.md); the exit code is the same")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
 		for name, d := range map[string]time.Duration{"-horizon": *horizon, "-retention": *retention, "-stuck-after": *stuck, "-overdue-grace": *grace} {
 			if d <= 0 {
@@ -227,7 +275,14 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		if err != nil {
 			return 0, err
 		}
-		printReport(stdout, r)
+		if *asJSON {
+			err = writeJSON(stdout, reportJSON(r))
+		} else {
+			printReport(stdout, r)
+		}
+		if err != nil {
+			return 0, err
+		}
 		switch r.Severity() {
 		case idem.SeverityOK:
 			return exitOK, nil
@@ -282,6 +337,7 @@ func printKeys(w io.Writer, keys []idem.UnansweredKey) {
 
 func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
 	sources := fs.Int("sources", 100, "list at most this many sources, the busiest first")
+	asJSON := fs.Bool("json", false, "print the statistics as one JSON document (docs/operations.md)")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
 		if *sources <= 0 {
 			return 0, errors.New("-sources must be positive")
@@ -289,6 +345,9 @@ func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		s, err := idem.Stats(ctx, db, idem.StatsOptions{Table: table, MaxSources: *sources})
 		if err != nil {
 			return 0, err
+		}
+		if *asJSON {
+			return exitOK, writeJSON(stdout, statsJSON(s))
 		}
 		fmt.Fprintf(stdout, "table: %s (%s)\n", s.Table, size(s.TableBytes))
 		fmt.Fprintf(stdout, "keys: %d (completed %d, without an answer %d, leases live %d, leases expired %d)\n",

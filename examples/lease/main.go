@@ -1,5 +1,6 @@
 // Command lease charges cards through a slow payment API behind idem's
-// lease mode: the claim of the Idempotency-Key commits at once with a
+// lease mode: the claim of the Idempotency-Key, scoped by the client that
+// the authentication middleware before it verified, commits at once with a
 // lease, no connection is held while the payment API is called, and the
 // record of the charge commits with the stored answer only if the lease
 // still owns the key. The request's key is passed on to the payment API as
@@ -7,7 +8,8 @@
 // does not charge twice. A fake payment API runs in the same process.
 //
 //	go run ./lease
-//	curl -i -X POST -H 'Idempotency-Key: "order-1"' -d '{"customer":"cus_1","amount":1999}' \
+//	curl -i -X POST -H 'Authorization: Bearer token-a' -H 'Idempotency-Key: "order-1"' \
+//	  -d '{"customer":"cus_1","amount":1999}' \
 //	  http://127.0.0.1:8080/charges
 package main
 

@@ -2,10 +2,12 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"database/sql"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/pgidem/idem"
@@ -24,19 +26,57 @@ type charger struct {
 	afterCharge func(*http.Request)
 }
 
-// newServer returns the receiver: POST /charges behind the idempotency
-// middleware in lease mode.
+// newServer returns the receiver: POST /charges behind the authentication
+// middleware, then the idempotency middleware in lease mode.
 func newServer(db *sql.DB, c *charger, lease time.Duration) (http.Handler, error) {
 	mw, err := idem.New(db, idem.Options{
-		KeyFunc: idem.IdempotencyKey("charges"),
+		KeyFunc: chargeKey,
 		Lease:   lease, // HandlerTimeout: four fifths of it
 	})
 	if err != nil {
 		return nil, err
 	}
 	mux := http.NewServeMux()
-	mux.Handle("POST /charges", mw.Handler(c))
+	mux.Handle("POST /charges", authenticate(mw.Handler(c)))
 	return mux, nil
+}
+
+// clients stands for the application's API credentials: bearer token ->
+// client id.
+var clients = map[string]string{"token-a": "client_a", "token-b": "client_b"}
+
+// clientKey is the context key under which authenticate puts the id of the
+// client it verified.
+type clientKey struct{}
+
+// authenticate stands for the application's authentication middleware,
+// mounted before idem: it verifies the caller's bearer token and puts the
+// client's id in the request's context, or answers 401.
+func authenticate(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		client, known := clients[token]
+		if !ok || !known {
+			http.Error(w, "unauthenticated", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), clientKey{}, client)))
+	})
+}
+
+// chargeKey is the request's Idempotency-Key, scoped by the client that
+// authenticate verified, never by anything the client sends: one client
+// can never reach another's keys, and two clients may use the same key.
+func chargeKey(r *http.Request, _ []byte) (idem.Key, error) {
+	client, ok := r.Context().Value(clientKey{}).(string)
+	if !ok || client == "" {
+		return idem.Key{}, idem.ErrNoKey // not behind authenticate
+	}
+	id, err := idem.ParseIdempotencyKey(r.Header.Get("Idempotency-Key"))
+	if err != nil {
+		return idem.Key{}, err
+	}
+	return idem.Key{Source: "charges:" + client, EventID: id}, nil
 }
 
 type chargeRequest struct {

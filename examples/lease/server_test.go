@@ -37,11 +37,23 @@ func TestCharge(t *testing.T) {
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 
-	first := webhooktest.Post(t, srv.URL+"/charges", order, "Idempotency-Key", `"order-1"`)
+	first := webhooktest.Post(t, srv.URL+"/charges", order, "Authorization", "Bearer token-a", "Idempotency-Key", `"order-1"`)
 	require.Equal(t, http.StatusCreated, first.Status, "%s", first.Body)
-	webhooktest.AssertReplay(t, first, webhooktest.Post(t, srv.URL+"/charges", order, "Idempotency-Key", `"order-1"`))
+	webhooktest.AssertReplay(t, first, webhooktest.Post(t, srv.URL+"/charges", order, "Authorization", "Bearer token-a", "Idempotency-Key", `"order-1"`))
 	assert.Equal(t, 1, api.charges())
 	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM charges`))
+
+	// Keys are scoped by the authenticated client: another client's
+	// "order-1" is its own charge, not client_a's replay; without
+	// credentials nothing is claimed or charged.
+	other := webhooktest.Post(t, srv.URL+"/charges", order, "Authorization", "Bearer token-b", "Idempotency-Key", `"order-1"`)
+	require.Equal(t, http.StatusCreated, other.Status, "%s", other.Body)
+	assert.Empty(t, other.Header.Get("Idempotent-Replayed"))
+	assert.NotEqual(t, first.Body, other.Body)
+	anonymous := webhooktest.Post(t, srv.URL+"/charges", order, "Idempotency-Key", `"order-1"`)
+	assert.Equal(t, http.StatusUnauthorized, anonymous.Status)
+	assert.Equal(t, 2, api.charges())
+	assert.Equal(t, 2, webhooktest.Count(t, db, `SELECT count(*) FROM webhook_idempotency WHERE source IN ('charges:client_a', 'charges:client_b')`))
 }
 
 // An original that charged the card and then hung (a crashed or frozen
@@ -71,7 +83,9 @@ func TestTakeoverAfterACrashDoesNotChargeTwice(t *testing.T) {
 	t.Cleanup(second.Close)
 
 	original := make(chan webhooktest.Reply, 1)
-	go func() { original <- webhooktest.Post(t, first.URL+"/charges", order, "Idempotency-Key", `"order-2"`) }()
+	go func() {
+		original <- webhooktest.Post(t, first.URL+"/charges", order, "Authorization", "Bearer token-a", "Idempotency-Key", `"order-2"`)
+	}()
 	<-hung
 	require.Equal(t, 1, api.charges(), "the original charged the card")
 
@@ -81,7 +95,7 @@ func TestTakeoverAfterACrashDoesNotChargeTwice(t *testing.T) {
 		require.True(t, time.Now().Before(deadline), "the lease did not run out")
 		time.Sleep(50 * time.Millisecond)
 	}
-	retry := webhooktest.Post(t, second.URL+"/charges", order, "Idempotency-Key", `"order-2"`)
+	retry := webhooktest.Post(t, second.URL+"/charges", order, "Authorization", "Bearer token-a", "Idempotency-Key", `"order-2"`)
 	require.Equal(t, http.StatusCreated, retry.Status, "taken over: %s", retry.Body)
 	assert.Equal(t, 1, api.charges(), "the takeover's call got the first charge back")
 
@@ -89,5 +103,5 @@ func TestTakeoverAfterACrashDoesNotChargeTwice(t *testing.T) {
 	late := <-original
 	assert.NotEqual(t, http.StatusCreated, late.Status, "the hung original stores nothing: %s", late.Body)
 	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM charges`))
-	webhooktest.AssertReplay(t, retry, webhooktest.Post(t, first.URL+"/charges", order, "Idempotency-Key", `"order-2"`))
+	webhooktest.AssertReplay(t, retry, webhooktest.Post(t, first.URL+"/charges", order, "Authorization", "Bearer token-a", "Idempotency-Key", `"order-2"`))
 }

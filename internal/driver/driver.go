@@ -35,8 +35,15 @@ type Row struct {
 	Headers   []byte // the stored headers' JSON
 	Body      []byte
 	Leased    bool // an in-progress row of lease mode (not completed)
-	LeaseLive bool // and its lease has not run out
+	// LeaseLeft is how long the row's lease still runs, by the database's
+	// clock when the statement ran: positive while it runs, zero or
+	// negative once it has run out, zero without a lease.
+	LeaseLeft time.Duration
 }
+
+// LeaseLive reports whether the row is in progress in lease mode with a
+// lease that has not run out.
+func (r Row) LeaseLive() bool { return r.Leased && r.LeaseLeft > 0 }
 
 // Lease is what a lease-mode claim found: Won with the claim's fencing
 // Token (TookOver when it took over a key whose lease had run out);
@@ -180,14 +187,17 @@ func (q *Queries) EndLease(keep bool) string {
 	return q.ReleaseLease
 }
 
-// leaseColumns read a row's lease state, for Row.Leased and Row.LeaseLive:
-// an in-progress row of lease mode, and whether its lease still runs.
-// Without a prefix (keyRow's CTE) they are named leased and live.
+// leaseColumns read a row's lease state, for Row.Leased and Row.LeaseLeft:
+// an in-progress row of lease mode, and how long its lease still runs, in
+// nanoseconds (0 without a lease). The time left is positive exactly when
+// lease_until > now(), since both have whole microseconds. Without a
+// prefix (keyRow's CTE) they are named leased and lease_left.
 func leaseColumns(prefix string) string {
+	left := `coalesce((extract(epoch FROM ` + prefix + `lease_until - now()) * 1000000000)::bigint, 0)`
 	if prefix == "" {
-		return `lease_until IS NOT NULL AND completed_at IS NULL AS leased, coalesce(lease_until > now(), false) AS live`
+		return `lease_until IS NOT NULL AND completed_at IS NULL AS leased, ` + left + ` AS lease_left`
 	}
-	return prefix + `lease_until IS NOT NULL AND ` + prefix + `completed_at IS NULL, coalesce(` + prefix + `lease_until > now(), false)`
+	return prefix + `lease_until IS NOT NULL AND ` + prefix + `completed_at IS NULL, ` + left
 }
 
 // NewQueries builds the statements for the table quoted (already quoted:

@@ -110,7 +110,7 @@ SELECT coalesce((SELECT won FROM ins), false), now(), ` + keyRowColumns
 }
 
 const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,
-       coalesce(r.leased, false), coalesce(r.live, false)
+       coalesce(r.leased, false), coalesce(r.lease_left, 0)
 FROM (VALUES (1)) AS one LEFT JOIN r ON true`
 
 // notAhead is the condition, on the claimed_at of the table aliased
