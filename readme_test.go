@@ -172,7 +172,7 @@ func TestProblemTypesResolve(t *testing.T) {
 	const base = "https://github.com/pgidem/idem/blob/main/docs/problems.md#"
 	anchors := headingAnchors(t, "docs/problems.md")
 	for _, err := range []error{
-		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
+		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrSignature, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
 		ErrPayloadMismatch, ErrLeaseExpired, ErrUnavailable, ErrHandlerTimeout, ErrTxMisuse, ErrTxAborted, ErrResponseTooLarge,
 		errors.New("anything else"),
 	} {
