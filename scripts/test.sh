@@ -38,6 +38,11 @@ if [ -f idemgin/go.mod ]; then
   (cd idemgin && go test -race -count=1 ./...)
 fi
 
+if [ -f internal/providertest/go.mod ]; then
+  echo "== providertest module (verifying presets against stripe-go and the Standard Webhooks library): go vet + go test -race"
+  (cd internal/providertest && go vet ./... && go test -race -count=1 ./...)
+fi
+
 if [ -f bench/go.mod ]; then
   echo "== bench module: build, test, and a short load run"
   (cd bench && go build ./... && go test -count=1 ./...)
