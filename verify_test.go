@@ -2,6 +2,8 @@ package idem
 
 import (
 	"bufio"
+	"bytes"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -32,7 +34,7 @@ type vector struct {
 	id               string    // signed message id (Standard Webhooks)
 }
 
-func loadVectors(t *testing.T) map[string][]vector {
+func loadVectors(t testing.TB) map[string][]vector {
 	t.Helper()
 	dir := filepath.Join("testdata", "signatures")
 	f, err := os.Open(filepath.Join(dir, "vectors.tsv"))
@@ -281,4 +283,44 @@ func TestSignatureErrorsAre401WithTheirOwnProblemType(t *testing.T) {
 	}
 	assert.Equal(t, "webhook signature does not verify: header Stripe-Signature is missing",
 		keyProblem(fmt.Errorf("%w: header Stripe-Signature is missing", ErrSignature)).Detail)
+}
+
+// FuzzSignatureHeaders: whatever the signature headers and body, a
+// verifier never panics, refuses with ErrSignature, and accepts only the
+// body (and the timestamp and id) that the secret signed.
+func FuzzSignatureHeaders(f *testing.F) {
+	all := loadVectors(f)
+	providers := []string{"stripe", "github", "shopify", "standard"}
+	for i, p := range providers {
+		v := all[p][len(all[p])-1]
+		ts := strconv.FormatInt(v.ts.Unix(), 10)
+		f.Add(uint8(i), v.signature, ts, v.id, v.body)
+		f.Add(uint8(i), v.signature+" "+v.signature, ts, v.id, v.body)
+		f.Add(uint8(i), strings.Repeat(v.signature+",", 50), "+"+ts, v.id+".", append(v.body, 0))
+		f.Add(uint8(i), "", "", "", []byte(nil))
+	}
+	f.Fuzz(func(t *testing.T, which uint8, sig, ts, id string, body []byte) {
+		p := providers[int(which)%len(providers)]
+		v := all[p][len(all[p])-1]
+		kf := signedPreset(p, v.ts, v.secret)
+		h := signatureHeaders(v, sig)
+		if p == "standard" {
+			h["Webhook-Timestamp"] = []string{ts}
+			h["Webhook-Id"] = []string{id}
+		}
+		_, err := deliver(kf, h, body)
+		switch {
+		case err != nil:
+			if !errors.Is(err, ErrSignature) && !errors.Is(err, ErrNoKey) && !errors.Is(err, ErrInvalidKey) && !errors.Is(err, ErrBadBody) {
+				t.Fatalf("%s: an error that wraps no sentinel: %v", p, err)
+			}
+			if strings.Contains(err.Error(), v.secret) {
+				t.Fatalf("%s: the error shows the secret: %v", p, err)
+			}
+		case !bytes.Equal(body, v.body):
+			t.Fatalf("%s accepted a body the secret did not sign: %q", p, body)
+		case p == "standard" && (id != v.id || ts != strconv.FormatInt(v.ts.Unix(), 10)):
+			t.Fatalf("standard accepted id %q, timestamp %q; signed: %q, %d", id, ts, v.id, v.ts.Unix())
+		}
+	})
 }
