@@ -324,3 +324,13 @@ func FuzzSignatureHeaders(f *testing.F) {
 		}
 	})
 }
+
+func TestWithSourceKeepsVerification(t *testing.T) {
+	v := loadVectors(t)["github"][1]
+	kf := GitHub(v.secret).WithSource("github")
+	k, err := deliver(kf, signatureHeaders(v, v.signature), v.body)
+	require.NoError(t, err)
+	assert.Equal(t, "github", k.Source)
+	_, err = deliver(kf, signatureHeaders(v, v.signature), append(bytes.Clone(v.body), ' '))
+	assert.ErrorIs(t, err, ErrSignature)
+}
