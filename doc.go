@@ -3,9 +3,9 @@
 // turns that into one side effect per event and the same answer for every
 // redelivery.
 //
-//	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe()}) // db: *sql.DB on pgx
-//	r.Use(mw.Handler)                                            // chi, gorilla/mux; or mw.Handler(h)
-//	tx, ok := idem.Tx(r.Context())                               // in the handler: write through tx
+//	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Stripe(secret)}) // db: *sql.DB on pgx; secret: "whsec_..."
+//	r.Use(mw.Handler)                                                  // chi, gorilla/mux; or mw.Handler(h)
+//	tx, ok := idem.Tx(r.Context())                                     // in the handler: write through tx
 //
 // For a pgx pool (handlers that take a pgx.Tx, such as sqlc's pgx/v5 mode),
 // package github.com/pgidem/idem/idempgx builds the same middleware on the
@@ -32,7 +32,9 @@
 // place if the original rolled back, or gets 409 with Retry-After.
 // Duplicates of one key on one instance wait in memory, holding no pooled
 // connection. A key reused with a different body gets 422. Bad input
-// gets 400 or 413 and leaves nothing behind; a database that fails gets 503
+// gets 400 or 413, and a webhook signature that does not verify (the
+// provider presets check it when given the endpoint's secrets) gets 401;
+// neither leaves anything behind; a database that fails gets 503
 // with Retry-After. The middleware never answers 410, which Standard
 // Webhooks senders take as "disable this endpoint". Its own error answers
 // are small application/problem+json documents (see WriteProblem and

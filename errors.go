@@ -18,6 +18,11 @@ var (
 	// ErrBadBody: the key is read from the request body, which is missing
 	// or is not the JSON the KeyFunc expects (400). KeyFuncs wrap it.
 	ErrBadBody = errors.New("idem: missing or malformed request body")
+	// ErrSignature: the request's webhook signature is missing, malformed,
+	// made with none of the endpoint's secrets, or made too long ago (401).
+	// The verifying presets wrap it; a custom KeyFunc that checks a
+	// signature can too.
+	ErrSignature = errors.New("idem: webhook signature does not verify")
 	// ErrBodyTooLarge: the request body is over Options.MaxBodyBytes (413).
 	ErrBodyTooLarge = errors.New("idem: request body too large")
 	// ErrBodyUnreadable: reading the request body failed (400).
@@ -72,7 +77,7 @@ var (
 // application/problem+json document with Type, Title, Status and Detail;
 // Err is there for logs and custom renderers and is never sent by default.
 type Problem struct {
-	Status int    // HTTP status: 400, 409, 413, 422, 500 or 503; never 410
+	Status int    // HTTP status: 400, 401, 409, 413, 422, 500 or 503; never 410
 	Type   string // a URI naming the kind of problem
 	Title  string // a short, fixed summary of the kind
 	Detail string // safe for the caller: never SQL or internal error text
@@ -105,14 +110,18 @@ func WriteProblem(w http.ResponseWriter, _ *http.Request, p *Problem) {
 }
 
 // problemFor maps an error of the middleware to its answer. Details are
-// fixed strings, or the KeyFunc's own message when it wraps ErrNoKey or
-// ErrInvalidKey (our KeyFuncs write those for the caller).
+// fixed strings, or the KeyFunc's own message when it wraps ErrNoKey,
+// ErrInvalidKey, ErrBadBody or ErrSignature (our KeyFuncs write those for
+// the caller).
 func problemFor(err error) *Problem {
 	p := &Problem{Err: err}
 	switch {
 	case errors.Is(err, ErrBodyTooLarge):
 		p.Status, p.Type, p.Title = http.StatusRequestEntityTooLarge, "body-too-large", "Request body too large"
 		p.Detail = "The request body is larger than this endpoint accepts."
+	case errors.Is(err, ErrSignature):
+		p.Status, p.Type, p.Title = http.StatusUnauthorized, "invalid-signature", "Invalid webhook signature"
+		p.Detail = trimPrefix(err.Error())
 	case errors.Is(err, ErrNoKey), errors.Is(err, ErrInvalidKey):
 		p.Status, p.Type, p.Title = http.StatusBadRequest, "invalid-key", "Missing or invalid idempotency key"
 		p.Detail = trimPrefix(err.Error())

@@ -36,6 +36,9 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	failover, err := filepath.Glob("internal/failover/*_test.go") // the tests with PostgreSQL clusters of their own
 	require.NoError(t, err)
 	files = append(files, failover...)
+	providers, err := filepath.Glob("internal/providertest/*_test.go") // the verifying presets against the providers' libraries
+	require.NoError(t, err)
+	files = append(files, providers...)
 	funcs := regexp.MustCompile(`(?m)^func ((?:Test|Fuzz)[A-Za-z0-9_]+)\(`)
 	for _, f := range files {
 		b, err := os.ReadFile(f)

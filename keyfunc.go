@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"time"
 	"unicode/utf8"
 )
 
@@ -30,7 +31,8 @@ type Key struct {
 // answered with 400 and nothing is claimed.
 //
 // Errors that wrap ErrNoKey, ErrInvalidKey or ErrBadBody are shown to the caller in the
-// problem's detail; any other error text is logged, never sent.
+// problem's detail; any other error text is logged, never sent. An error
+// that wraps ErrSignature is answered with 401 instead, its text shown too.
 type KeyFunc func(r *http.Request, body []byte) (Key, error)
 
 // Header returns a KeyFunc that takes the event id from the request header
@@ -101,16 +103,24 @@ func IdempotencyKey(source string) KeyFunc {
 // Stripe returns the KeyFunc for Stripe webhooks: the event id ("evt_...")
 // from the body's top-level "id", which must be a JSON string, scoped by
 // the endpoint (source "stripe POST /webhooks/stripe"; see WithSource).
-// Verify the Stripe-Signature before this middleware runs.
-func Stripe() KeyFunc {
+//
+// Given the endpoint's signing secrets ("whsec_..."; two while one is being
+// rolled), it first verifies the Stripe-Signature header over the exact
+// body: a v1 signature made with one of the secrets, with a timestamp
+// within 300 seconds of the receiver's clock. A request that fails is
+// answered 401 (ErrSignature) before anything is claimed. Without secrets
+// it verifies nothing: verify the signature before this middleware runs,
+// or a forged delivery can claim a real event's id first. It panics if a
+// secret is empty.
+func Stripe(secrets ...string) KeyFunc {
 	segs := []string{"id"}
-	return func(r *http.Request, body []byte) (Key, error) {
+	return withSignature(stripeSignature(secrets, time.Now), func(r *http.Request, body []byte) (Key, error) {
 		id, err := jsonField(r, body, segs, true)
 		if err != nil {
 			return Key{}, err
 		}
 		return endpointKey(r, "stripe", id)
-	}
+	})
 }
 
 // WithSource returns a KeyFunc that takes the event id from f and gives
@@ -153,8 +163,13 @@ func endpointKey(r *http.Request, name, id string) (Key, error) {
 // one event shares the delivery GUID, and by the endpoint (source
 // "github:<hook id> POST /webhooks/github"; "github POST ..." without a hook
 // id header; see WithSource).
-func GitHub() KeyFunc {
-	return func(r *http.Request, _ []byte) (Key, error) {
+//
+// Given the hook's secrets (two while one is being changed), it first
+// verifies X-Hub-Signature-256 ("sha256=<hex>", the HMAC-SHA256 of the
+// body) and answers 401 (ErrSignature) to a request that fails. Without
+// secrets it verifies nothing. It panics if a secret is empty.
+func GitHub(secrets ...string) KeyFunc {
+	return withSignature(githubSignature(secrets), func(r *http.Request, _ []byte) (Key, error) {
 		id, err := singleHeader(r, "X-Github-Delivery")
 		if err != nil {
 			return Key{}, err
@@ -167,20 +182,25 @@ func GitHub() KeyFunc {
 			source = "github:" + hooks[0]
 		}
 		return endpointKey(r, source, id)
-	}
+	})
 }
 
 // Shopify returns the KeyFunc for Shopify webhooks: the X-Shopify-Event-Id
 // header, which stays the same across retries, scoped by the endpoint
 // (source "shopify POST /webhooks/shopify"; see WithSource).
-func Shopify() KeyFunc {
-	return func(r *http.Request, _ []byte) (Key, error) {
+//
+// Given the app's client secrets (two while one is being rotated), it first
+// verifies X-Shopify-Hmac-Sha256 (the base64 HMAC-SHA256 of the body) and
+// answers 401 (ErrSignature) to a request that fails. Without secrets it
+// verifies nothing. It panics if a secret is empty.
+func Shopify(secrets ...string) KeyFunc {
+	return withSignature(shopifySignature(secrets), func(r *http.Request, _ []byte) (Key, error) {
 		id, err := singleHeader(r, "X-Shopify-Event-Id")
 		if err != nil {
 			return Key{}, err
 		}
 		return endpointKey(r, "shopify", id)
-	}
+	})
 }
 
 // StandardWebhooks returns the KeyFunc for senders that follow the Standard
@@ -188,9 +208,17 @@ func Shopify() KeyFunc {
 // webhook-id is absent, scoped by source (name the sender: "resend",
 // "clerk") and by the endpoint (source "resend POST /webhooks/resend"; see
 // WithSource).
-func StandardWebhooks(source string) KeyFunc {
+//
+// Given the endpoint's secrets ("whsec_<base64>"; two while one is being
+// rotated), it first verifies webhook-signature ("v1,<base64>", several
+// space-separated) over webhook-id, webhook-timestamp and the exact body,
+// with a timestamp within 5 minutes of the receiver's clock (the svix-
+// headers when webhook-id is absent), and answers 401 (ErrSignature) to a
+// request that fails. Without secrets it verifies nothing. It panics if a
+// secret is empty or not base64.
+func StandardWebhooks(source string, secrets ...string) KeyFunc {
 	mustSource("StandardWebhooks", source)
-	return func(r *http.Request, _ []byte) (Key, error) {
+	return withSignature(standardWebhooksSignature(secrets, time.Now), func(r *http.Request, _ []byte) (Key, error) {
 		name := "Webhook-Id"
 		if len(r.Header.Values(name)) == 0 {
 			name = "Svix-Id"
@@ -200,7 +228,7 @@ func StandardWebhooks(source string) KeyFunc {
 			return Key{}, fmt.Errorf("%w (webhook-id or svix-id)", err)
 		}
 		return endpointKey(r, source, id)
-	}
+	})
 }
 
 func mustSource(fn, source string) {
@@ -210,12 +238,18 @@ func mustSource(fn, source string) {
 }
 
 func singleHeader(r *http.Request, name string) (string, error) {
+	return oneHeader(r, name, ErrNoKey, ErrInvalidKey)
+}
+
+// oneHeader returns the one value of header name; the error wraps missing
+// when it is absent or empty, twice when it is sent more than once.
+func oneHeader(r *http.Request, name string, missing, twice error) (string, error) {
 	vs := r.Header.Values(name)
 	switch {
 	case len(vs) == 0 || (len(vs) == 1 && vs[0] == ""):
-		return "", fmt.Errorf("%w: header %s is missing", ErrNoKey, name)
+		return "", fmt.Errorf("%w: header %s is missing", missing, name)
 	case len(vs) > 1:
-		return "", fmt.Errorf("%w: header %s is sent more than once", ErrInvalidKey, name)
+		return "", fmt.Errorf("%w: header %s is sent more than once", twice, name)
 	}
 	return vs[0], nil
 }

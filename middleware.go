@@ -197,7 +197,7 @@ const (
 	// transaction or wrote too much; nothing was committed (but for a
 	// COMMIT still waiting at HandlerTimeout, which may commit later).
 	OutcomeRolledBack
-	// OutcomeRejected: the request was refused before any claim (400, 413).
+	// OutcomeRejected: the request was refused before any claim (400, 401, 413).
 	OutcomeRejected
 	// OutcomeStoreError: the database failed to begin, claim, store or
 	// commit (503); nothing was committed.
@@ -638,11 +638,12 @@ func (l *limitedReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// keyProblem answers a KeyFunc or validation error with 400. Only errors
-// that wrap ErrNoKey, ErrInvalidKey or ErrBadBody have their text shown to
-// the caller; a custom KeyFunc's other errors may carry anything.
+// keyProblem answers a KeyFunc or validation error with 400, or 401 for a
+// signature that does not verify. Only errors that wrap ErrNoKey,
+// ErrInvalidKey, ErrBadBody or ErrSignature have their text shown to the
+// caller; a custom KeyFunc's other errors may carry anything.
 func keyProblem(err error) *Problem {
-	if errors.Is(err, ErrNoKey) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrBadBody) {
+	if errors.Is(err, ErrSignature) || errors.Is(err, ErrNoKey) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrBadBody) {
 		return problemFor(err)
 	}
 	p := problemFor(fmt.Errorf("%w: %w", ErrInvalidKey, err))

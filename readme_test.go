@@ -172,7 +172,7 @@ func TestProblemTypesResolve(t *testing.T) {
 	const base = "https://github.com/pgidem/idem/blob/main/docs/problems.md#"
 	anchors := headingAnchors(t, "docs/problems.md")
 	for _, err := range []error{
-		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
+		ErrNoKey, ErrInvalidKey, ErrBadBody, ErrSignature, ErrBodyTooLarge, ErrBodyUnreadable, ErrInFlight, ErrConflict,
 		ErrPayloadMismatch, ErrLeaseExpired, ErrUnavailable, ErrHandlerTimeout, ErrTxMisuse, ErrTxAborted, ErrResponseTooLarge,
 		errors.New("anything else"),
 	} {
@@ -286,6 +286,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"log"
 	"log/slog"
 	"net/http"
@@ -303,6 +304,7 @@ var (
 	_ = context.Background
 	_ = sql.Open
 	_ = json.Marshal
+	_ = errors.New
 	_ = log.Fatal
 	_ = slog.Default
 	_ = os.Getenv
@@ -344,4 +346,56 @@ func callPaymentService(context.Context, string) (string, error) { return "", ni
 	offset := strings.Count(b.String(), "\n")
 	b.WriteString(code)
 	return b.String(), offset
+}
+
+// F4 of the adversarial review: the README's multi-tenant example scoped
+// keys by X-Tenant-Id, a header the client sets, so one tenant could read
+// another's stored answers. No Go block of the docs may build a key's
+// Source from a request header; the tenant comes from the authenticated
+// identity.
+func TestDocsNeverScopeKeysByAClientSetHeader(t *testing.T) {
+	pages, _ := filepath.Glob("docs/*.md")
+	pages = append(pages, "README.md")
+	fromHeader := regexp.MustCompile(`Source:[^\n]*\.Header\.(Get|Values)\(`)
+	scoped := 0
+	for _, page := range pages {
+		text, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range goBlocks(string(text)) {
+			if m := fromHeader.FindString(b.code); m != "" {
+				t.Errorf("%s:%d: a key scoped by a header the client sets: %s", page, b.line, m)
+			}
+			if strings.Contains(b.code, "r.Context().Value(tenantKey{})") {
+				scoped++
+			}
+		}
+	}
+	if scoped == 0 {
+		t.Error("no Go block of the docs shows a key scoped by the authenticated tenant")
+	}
+}
+
+// F5: the README's first snippet, and the one the quick start builds the
+// middleware with, use the verifying preset, with the secret from the
+// environment.
+func TestQuickStartVerifiesSignatures(t *testing.T) {
+	text, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	verifying := regexp.MustCompile(`idem\.Stripe\(os\.Getenv\("STRIPE_WEBHOOK_SECRET"\)\)`)
+	n := 0
+	for _, b := range goBlocks(string(text)) {
+		if strings.Contains(b.code, "idem.New(") {
+			n++
+			if n <= 2 && !verifying.MatchString(b.code) {
+				t.Errorf("README.md:%d: the middleware is built without signature verification", b.line)
+			}
+		}
+	}
+	if n < 2 {
+		t.Errorf("README.md builds the middleware in %d Go blocks; want the first snippet and the quick start's", n)
+	}
 }

@@ -12,7 +12,7 @@
 //	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 //	...
 //	if err := idempgx.Migrate(ctx, pool, ""); err != nil { ... }
-//	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Stripe()})
+//	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Stripe(secret)})
 //	...
 //	mux.Handle("POST /webhooks/stripe", mw.Handler(handler))
 //

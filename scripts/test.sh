@@ -31,6 +31,7 @@ waiting() {
 benchmarks() { go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null; }
 examples() { cd examples && go build ./... && go test -race -count=1 ./...; }
 module() { cd "$1" && go test -race -count=1 ./...; }
+providertest() { cd internal/providertest && go vet ./... && go test -race -count=1 ./...; }
 bench_module() {
   cd bench && go build ./... && go test -count=1 ./...
   cd .. && bash scripts/bench-smoke.sh
@@ -49,6 +50,9 @@ modules=()
 for m in idemgin; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
+# The verifying presets against the providers' own signing libraries
+# (stripe-go, the Standard Webhooks library): a test-only module.
+[ -f internal/providertest/go.mod ] && modules+=("providertest module: go vet + go test -race" providertest --)
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
 together "${modules[@]}"
 
