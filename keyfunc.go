@@ -141,7 +141,7 @@ func (f KeyFunc) WithSource(source string) KeyFunc {
 // does not serve never replays another method's answer.
 func endpointKey(r *http.Request, name, id string) (Key, error) {
 	path := r.URL.EscapedPath()
-	source := name + " " + r.Method + " " + path
+	source := name + " " + strings.ToUpper(r.Method) + " " + path
 	if len(source) > MaxKeyLen {
 		return Key{}, fmt.Errorf("%w: the path is too long to scope the key by endpoint (%d bytes); give the KeyFunc a fixed source with WithSource", ErrInvalidKey, len(path))
 	}

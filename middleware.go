@@ -72,7 +72,10 @@ type Options struct {
 
 	// Methods are the request methods the middleware makes idempotent; other
 	// methods (GET, HEAD, OPTIONS, ...) go straight to the handler, without a
-	// transaction. nil means POST, PUT, PATCH and DELETE.
+	// transaction. nil means POST, PUT, PATCH and DELETE. They are matched
+	// without regard to case: a route registered without a method runs its
+	// handler for `post` too, so `post` is claimed as POST (and a preset
+	// scopes it as POST).
 	Methods []string
 
 	// MaxBodyBytes bounds the request body, which is read in full before the
@@ -455,9 +458,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 	})
 }
 
+// covers reports whether the middleware claims requests with method. HTTP
+// methods are case-sensitive, but a route registered without a method
+// receives `post` as well as `POST`, and runs the same handler: a method
+// that differs from a covered one only in case is covered (it fails closed,
+// claimed rather than waved through), and the presets scope it as the
+// upper-case method, so `post` after `POST` is a replay.
 func (m *Middleware) covers(method string) bool {
 	for _, c := range m.methods {
-		if c == method {
+		if strings.EqualFold(c, method) {
 			return true
 		}
 	}
