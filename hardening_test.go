@@ -1,8 +1,15 @@
 package idem_test
 
 import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
+	"net/http/httptest"
+	"runtime"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/pgidem/idem"
@@ -58,4 +65,65 @@ func TestMethodSpellingsOfACoveredMethodAreClaimed(t *testing.T) {
 	var source string
 	require.NoError(t, f.db.QueryRow(`SELECT source FROM "`+f.table+`"`).Scan(&source))
 	assert.Equal(t, "stripe POST /hook", source, "the method is upper-cased in the scope")
+}
+
+// A client's Content-Length is a claim, not bytes: many connections that
+// announce a large body and send a little of it must cost the server memory
+// for what they sent, not for what they announced. Not parallel: it
+// measures the heap.
+func TestStalledBodiesCostWhatTheySentNotWhatTheyAnnounced(t *testing.T) {
+	const (
+		conns     = 100
+		announced = 1 << 20 // MaxBodyBytes: the most a body may announce
+		sent      = 4 << 10
+	)
+	f := newFixture(t, idem.Options{KeyFunc: idem.Stripe(), MaxBodyBytes: announced}, nil)
+	var arrived sync.WaitGroup // one per connection whose sent bytes the middleware has read
+	arrived.Add(conns)
+	counting := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = &countingBody{ReadCloser: r.Body, want: sent, reached: arrived.Done}
+		f.srv.Config.Handler.ServeHTTP(w, r)
+	})
+	srv := httptest.NewServer(counting)
+	t.Cleanup(srv.Close)
+
+	before := heapInUse()
+	head := fmt.Sprintf("POST /webhooks/stripe HTTP/1.1\r\nHost: idem.test\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", announced)
+	body := append([]byte(`{"id":"evt_stalled","pad":"`), bytes.Repeat([]byte("x"), sent)...)[:sent]
+	for range conns {
+		c, err := net.Dial("tcp", srv.Listener.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { c.Close() })
+		_, err = c.Write(append([]byte(head), body...))
+		require.NoError(t, err)
+	}
+	arrived.Wait() // every connection's bytes are in the middleware's buffers
+	grown := heapInUse() - before
+	t.Logf("heap grew by %.1f MiB for %d connections announcing %d MiB each", float64(grown)/(1<<20), conns, announced>>20)
+	assert.Less(t, grown, int64(conns*announced/8), "memory follows the bytes received, not Content-Length")
+	assert.Zero(t, f.runs.Load())
+}
+
+// countingBody calls reached once its reader has read want bytes.
+type countingBody struct {
+	io.ReadCloser
+	n, want int
+	reached func()
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if b.n < b.want && b.n+n >= b.want {
+		b.reached()
+	}
+	b.n += n
+	return n, err
+}
+
+// heapInUse is the live heap after a collection.
+func heapInUse() int64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
 }

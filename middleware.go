@@ -595,6 +595,11 @@ func (x *exchange) replayCached(key Key, digest []byte, now time.Time) bool {
 	return true
 }
 
+// initialBodyBuffer bounds the buffer a request body starts with, whatever
+// its Content-Length announces: connections that announce large bodies and
+// stall commit no more memory than this each.
+const initialBodyBuffer = 32 << 10
+
 // readBody reads the whole request body, bounded by MaxBodyBytes.
 func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error) {
 	if r.ContentLength > m.maxBody {
@@ -604,7 +609,10 @@ func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error
 		return []byte{}, nil
 	}
 	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength) + 1)
+		// Content-Length is the client's word, not bytes received: a
+		// bounded start, then the buffer grows as the bytes arrive (room
+		// for the read that finds EOF saves a copy of small bodies).
+		buf.Grow(int(min(r.ContentLength+bytes.MinRead, initialBodyBuffer)))
 	}
 	n, err := buf.ReadFrom(&limitedReader{r: r.Body, n: m.maxBody + 1})
 	if err != nil {
