@@ -128,3 +128,30 @@ func TestNewValidatesOptions(t *testing.T) {
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Table: `odd"schema.tbl`})
 	assert.NoError(t, err, "any name is quoted, not refused")
 }
+
+// The presets' sources for paths without percent-encoding, as they were
+// before presets normalised the path (issue 28): keys already stored under
+// them must still be found after an upgrade. Written against the code before
+// the change, and unchanged by it.
+func TestEndpointSourcesOfPlainPathsStayAsTheyWere(t *testing.T) {
+	for path, want := range map[string]string{
+		"/":                            "stripe POST /",
+		"/webhooks/stripe":             "stripe POST /webhooks/stripe",
+		"/webhooks/stripe/":            "stripe POST /webhooks/stripe/",
+		"/webhooks/acct_123/stripe":    "stripe POST /webhooks/acct_123/stripe",
+		"/a-b_c.d~e/F0":                "stripe POST /a-b_c.d~e/F0",
+		"/a!b$c&d'e(f)g*h+i,j;k=l:m@n": "stripe POST /a!b$c&d'e(f)g*h+i,j;k=l:m@n",
+		"/a[b]":                        "stripe POST /a[b]",
+		"//webhooks//stripe":           "stripe POST //webhooks//stripe",
+		"/webhooks/./stripe":           "stripe POST /webhooks/./stripe",
+		"/webhooks/stripe?x=1":         "stripe POST /webhooks/stripe",
+		"/a\"b!c":                      "stripe POST /a%22b%21c",
+		"/a{b}|c^d`e<f>g\\h":           "stripe POST /a%7Bb%7D%7Cc%5Ed%60e%3Cf%3Eg%5Ch",
+		"/café!":                       "stripe POST /caf%C3%A9%21",
+	} {
+		r := httptest.NewRequest(http.MethodPost, path, strings.NewReader(`{"id":"evt_1"}`))
+		k, err := idem.Stripe()(r, []byte(`{"id":"evt_1"}`))
+		require.NoError(t, err, path)
+		assert.Equal(t, want, k.Source, path)
+	}
+}
