@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -379,6 +380,53 @@ func FuzzRecorder(f *testing.F) {
 		if next2.wroteHeader || next2.status != 0 || next2.body.Len() != 0 || next2.overflow || len(next2.Header()) != 0 || next2.limit != 5 {
 			t.Fatalf("a recorder from the pool is not clean: status %d, body %q, overflow %v, header %v",
 				next2.status, next2.body.Bytes(), next2.overflow, next2.Header())
+		}
+	})
+}
+
+// FuzzEndpointPath: the presets' path is plain printable ASCII, a fixed
+// point (its own spelling), and names the same segments as the path sent:
+// decoding each piece between escaped slashes gives the same text.
+func FuzzEndpointPath(f *testing.F) {
+	for _, s := range []string{"/webhooks/stripe", "/webhooks/%73tripe", "/a%2fb/", "/caf%c3%a9!", "/a%22b%2Fc!", "/a%25%32F", "/%zz", "/a b", "/%2F%2f%2F", "/a[b]%5d"} {
+		f.Add(s)
+	}
+	pieces := func(p string) []string {
+		var out []string
+		for {
+			i := indexEscapedSlash(p)
+			if i < 0 {
+				s, _ := url.PathUnescape(p)
+				return append(out, s)
+			}
+			s, _ := url.PathUnescape(p[:i])
+			out = append(out, s)
+			p = p[i+3:]
+		}
+	}
+	f.Fuzz(func(t *testing.T, target string) {
+		u, err := url.ParseRequestURI(target)
+		if err != nil || u.Opaque != "" || !strings.HasPrefix(target, "/") {
+			return
+		}
+		p := endpointPath(u)
+		for i := 0; i < len(p); i++ {
+			if p[i] <= ' ' || p[i] >= 0x7f {
+				t.Fatalf("%q: path %q is not printable ASCII", target, p)
+			}
+		}
+		again, err := url.ParseRequestURI(p)
+		if err != nil {
+			t.Fatalf("%q: path %q does not parse: %v", target, p, err)
+		}
+		if q := endpointPath(again); q != p {
+			t.Fatalf("%q: path %q is spelled %q when sent", target, p, q)
+		}
+		if !strings.Contains(u.RawPath, "%") {
+			return // no escapes: the spelling of before (a golden test pins it)
+		}
+		if a, b := pieces(u.RawPath), pieces(p); strings.Join(a, "\x00") != strings.Join(b, "\x00") {
+			t.Fatalf("%q: path %q names %q, not %q", target, p, b, a)
 		}
 	})
 }

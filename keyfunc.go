@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"unicode/utf8"
 )
@@ -136,16 +137,95 @@ func (f KeyFunc) WithSource(source string) KeyFunc {
 }
 
 // endpointKey is a preset's key: the event id, scoped by the preset's name
-// and the request's method and path (as sent, still escaped, so it is plain
-// ASCII). Two endpoints never share a preset's keys, and a method the route
-// does not serve never replays another method's answer.
+// and the request's method (upper-cased) and path (normalised by
+// endpointPath, so it is plain ASCII). Two endpoints never share a preset's
+// keys, and a method the route does not serve never replays another
+// method's answer.
 func endpointKey(r *http.Request, name, id string) (Key, error) {
-	path := r.URL.EscapedPath()
+	path := endpointPath(r.URL)
 	source := name + " " + strings.ToUpper(r.Method) + " " + path
 	if len(source) > MaxKeyLen {
 		return Key{}, fmt.Errorf("%w: the path is too long to scope the key by endpoint (%d bytes); give the KeyFunc a fixed source with WithSource", ErrInvalidKey, len(path))
 	}
 	return Key{Source: source, EventID: id}, nil
+}
+
+// endpointPath spells u's path one way for all the spellings a router
+// routes alike, so that /webhooks/%73tripe is the endpoint /webhooks/stripe:
+// http.ServeMux and gorilla/mux route on the decoded path, chi on the path
+// as sent. As RFC 3986 §6.2.2 says, escapes are decoded, and those that
+// stay get upper-case hex digits; an escaped slash (%2F) stays escaped, as
+// routers tell /a%2Fb from /a/b (and a trailing slash stays, for the same
+// reason).
+//
+// A path without escapes keeps the spelling the presets always gave it
+// (u.EscapedPath()): the path as sent when net/url accepts it as escaped
+// (letters, digits, -._~!$&'()*+,;=:@[] and slashes), else the path
+// escaped by net/url. A path with escapes is spelled as that same path
+// without them would be.
+func endpointPath(u *url.URL) string {
+	raw := u.RawPath
+	if raw == "" || !strings.Contains(raw, "%") {
+		return u.EscapedPath()
+	}
+	if p, err := url.PathUnescape(raw); err != nil || p != u.Path {
+		return u.EscapedPath() // RawPath is stale: net/url ignores it too
+	}
+	// The segments between escaped slashes, decoded.
+	var pieces []string
+	plain := true // every decoded byte may stand as it is
+	for rest := raw; ; {
+		i := indexEscapedSlash(rest)
+		piece := rest
+		if i >= 0 {
+			piece = rest[:i]
+		}
+		piece, _ = url.PathUnescape(piece) // a whole escape never straddles a cut
+		plain = plain && asSent(piece)
+		pieces = append(pieces, piece)
+		if i < 0 {
+			break
+		}
+		rest = rest[i+3:]
+	}
+	var b strings.Builder
+	for i, piece := range pieces {
+		if i > 0 {
+			b.WriteString("%2F")
+		}
+		if plain {
+			b.WriteString(piece)
+		} else {
+			b.WriteString((&url.URL{Path: piece}).EscapedPath())
+		}
+	}
+	return b.String()
+}
+
+// indexEscapedSlash returns the index of the first %2F (or %2f) in s, or -1.
+func indexEscapedSlash(s string) int {
+	for i := 0; i+2 < len(s); i++ {
+		if s[i] == '%' && s[i+1] == '2' && (s[i+2] == 'F' || s[i+2] == 'f') {
+			return i
+		}
+	}
+	return -1
+}
+
+// asSent reports whether net/url leaves a path made of s's bytes as it is
+// sent: unreserved characters, sub-delimiters, ":", "@", brackets and
+// slashes only.
+func asSent(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case strings.IndexByte("-._~!$&'()*+,;=:@[]/", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // GitHub returns the KeyFunc for GitHub webhooks: the X-GitHub-Delivery GUID,

@@ -48,6 +48,24 @@ func TestGorilla(t *testing.T) {
 		assert.Equal(t, 2, builds())
 	})
 
+	// gorilla/mux routes on the decoded path: /webhooks/%67ithub reaches
+	// the same handler as /webhooks/github (issue 28, F1).
+	t.Run("a delivery sent under every spelling of its path builds once", func(t *testing.T) {
+		before := builds()
+		var first webhooktest.Reply
+		for i, path := range webhooktest.Spellings("/webhooks/github") {
+			r := webhooktest.Post(t, srv.URL+path, body,
+				"X-GitHub-Event", "push", "X-GitHub-Delivery", "5f2b9c1e", "X-GitHub-Hook-ID", "42")
+			require.Equal(t, http.StatusCreated, r.Status, "%s reaches the route: %s", path, r.Body)
+			if i == 0 {
+				first = r
+				continue
+			}
+			webhooktest.AssertReplay(t, first, r)
+		}
+		assert.Equal(t, before+1, builds(), "one build, however the path is spelled")
+	})
+
 	t.Run("routes outside the sub-router are not claimed", func(t *testing.T) {
 		r := webhooktest.Post(t, srv.URL+"/elsewhere", body)
 		assert.Equal(t, http.StatusNotFound, r.Status)

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/examples/internal/testdb"
+	"github.com/pgidem/idem/examples/internal/webhooktest"
+)
+
+// chi routes on the path as sent (r.URL.RawPath when there is one), so a
+// wildcard takes each spelling of a path as it comes: one captured
+// delivery, sent under every spelling of its path, ships once, and two
+// accounts behind one wildcard stay two endpoints (issue 28, F1).
+func TestChiWildcardPathSpellingsAreOneEndpoint(t *testing.T) {
+	t.Parallel()
+	db := testdb.Open(t)
+	require.NoError(t, migrate(context.Background(), db))
+	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Shopify()})
+	require.NoError(t, err)
+	r := chi.NewRouter()
+	r.Route("/webhooks", func(r chi.Router) {
+		r.Use(mw.Handler)
+		r.Post("/{account}/orders-create", ordersCreate)
+	})
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	const body = `{"id":820982911946154508,"email":"jon@example.com","total_price":"199.00"}`
+	fulfillments := func() int { return webhooktest.Count(t, db, `SELECT count(*) FROM fulfillments`) }
+
+	// sendAll sends one delivery under every spelling of path: the first
+	// is answered 200, every other one with its replay (or 404).
+	sendAll := func(path string) (replays int) {
+		var first webhooktest.Reply
+		for i, p := range webhooktest.Spellings(path) {
+			r := webhooktest.Post(t, srv.URL+p, body, "X-Shopify-Event-Id", "b2e1")
+			switch {
+			case i == 0:
+				require.Equal(t, http.StatusOK, r.Status, "body: %s", r.Body)
+				first = r
+			case r.Status == http.StatusNotFound:
+				assert.False(t, r.Replayed(), p)
+			default:
+				webhooktest.AssertReplay(t, first, r)
+				replays++
+			}
+		}
+		return replays
+	}
+
+	assert.Positive(t, sendAll("/webhooks/acct_1/orders-create"), "the wildcard took escaped spellings")
+	assert.Equal(t, 1, fulfillments(), "one fulfillment for every spelling")
+	sendAll("/webhooks/acct_2/orders-create")
+	assert.Equal(t, 2, fulfillments(), "another account's endpoint runs the event itself")
+}
