@@ -127,3 +127,65 @@ func heapInUse() int64 {
 	runtime.ReadMemStats(&ms)
 	return int64(ms.HeapAlloc)
 }
+
+// securityHeaders are what a handler sets to protect the client that reads
+// its answer; a replay must carry them as the original did.
+var securityHeaders = map[string]string{
+	"X-Content-Type-Options":    "nosniff",
+	"Content-Security-Policy":   "default-src 'none'",
+	"Cache-Control":             "no-store",
+	"X-Frame-Options":           "DENY",
+	"Referrer-Policy":           "no-referrer",
+	"Strict-Transport-Security": "max-age=63072000",
+}
+
+func TestReplaysCarryTheOriginalsSecurityHeaders(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for name, v := range securityHeaders {
+			w.Header().Set(name, v)
+		}
+		w.Header().Set("Content-Type", "text/html")
+		_, _ = w.Write([]byte("<p>done</p>"))
+	}))
+	first := f.post("evt_sec", "{}")
+	require.Equal(t, http.StatusOK, first.status)
+	dup := f.post("evt_sec", "{}")
+	require.Equal(t, "true", dup.header.Get("Idempotent-Replayed"))
+	for name, v := range securityHeaders {
+		assert.Equal(t, v, dup.header.Get(name), "%s is replayed", name)
+	}
+}
+
+func TestNewRefusesHopByHopReplayHeaders(t *testing.T) {
+	db := idem.OpenTestDB(t)
+	for _, h := range []string{"Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "proxy-authenticate", "Proxy-Authorization"} {
+		_, err := idem.New(db, idem.Options{KeyFunc: idem.Header("t", "X-Id"), ReplayHeaders: []string{"ETag", h}})
+		if assert.Error(t, err, h) {
+			assert.Contains(t, err.Error(), http.CanonicalHeaderKey(h), "the error names the header")
+		}
+	}
+}
+
+// The headers stored with an answer are part of it: a handler that sets
+// 20,000 Link values under a small MaxResponseBytes is an answer over the
+// cap (rolled back, 500), as one with a body that large is.
+func TestStoredHeadersCountTowardMaxResponseBytes(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = newFixture(t, idem.Options{MaxResponseBytes: 64 << 10}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := txFrom(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_link', 'x')`)
+		require.NoError(t, err)
+		for i := range 20_000 {
+			w.Header().Add("Link", fmt.Sprintf("</items/%d>; rel=item", i))
+		}
+		_, _ = w.Write([]byte(`{"ok":true}`))
+	}))
+	r := f.post("evt_link", "{}")
+	assert.Equal(t, http.StatusInternalServerError, r.status)
+	assert.ErrorIs(t, f.observations()[0].Err, idem.ErrResponseTooLarge)
+	assert.Zero(t, len(r.header.Values("Link")), "the over-size answer is not sent")
+	assert.Equal(t, 0, f.ledgerRows())
+	assert.Equal(t, 0, f.keys())
+}
