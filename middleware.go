@@ -166,7 +166,9 @@ type Options struct {
 	// still checked). Only keys that have had a duplicate are kept, so the
 	// great majority of events, which never do, cost the cache nothing.
 	// Duplicates of keys this instance has not replayed always go to the
-	// database. 0 means DefaultReplayCacheBytes (16 MiB); a negative value
+	// database. The bound is on the heap the cache holds, keys, answers and
+	// bookkeeping counted as allocated (a small JSON answer costs about 900
+	// bytes). 0 means DefaultReplayCacheBytes (16 MiB); a negative value
 	// turns the cache off.
 	ReplayCacheBytes int64
 
