@@ -7,8 +7,10 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"reflect"
 	"strings"
 	"testing"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -74,6 +76,8 @@ func FuzzJSONField(f *testing.F) {
 		{`{"id": null}`, "id"},
 		{`["id"]`, "id"},
 		{`{"id": "x"} {"id": "y"}`, "id"},
+		{`{"id": "evt_A", "ID": "evt_B"}`, "id"},
+		{`{"kid": "a", "\u212aid": "b"}`, "kid"},
 		{`{"d\u0061ta": {"id": "x"}}`, "data.id"},
 		{strings.Repeat("[", 20000) + strings.Repeat("]", 20000), "id"},
 		{`{"id": "` + strings.Repeat("a", 300) + `"}`, "id"},
@@ -128,7 +132,44 @@ func FuzzJSONField(f *testing.F) {
 			t.Fatalf("JSONField returned %q for a %T", k.EventID, v)
 		}
 		checkAccepted(t, k)
+		// Oracle: a handler decoding the body into a struct with the field
+		// reads the same id (encoding/json matches names in any case).
+		if len(segs) == 1 && validTagName(segs[0]) {
+			v := reflect.New(reflect.StructOf([]reflect.StructField{{
+				Name: "V", Type: reflect.TypeFor[any](), Tag: reflect.StructTag(`json:"` + segs[0] + `"`),
+			}}))
+			dec := json.NewDecoder(bytes.NewReader(body))
+			dec.UseNumber()
+			if err := dec.Decode(v.Interface()); err != nil {
+				t.Fatalf("JSONField accepted a body encoding/json refuses: %v", err)
+			}
+			switch got := v.Elem().Field(0).Interface().(type) {
+			case string:
+				if got != k.EventID {
+					t.Fatalf("JSONField found %q, a struct decoded by encoding/json %q", k.EventID, got)
+				}
+			case json.Number:
+				if got.String() != k.EventID {
+					t.Fatalf("JSONField found %q, a struct decoded by encoding/json %s", k.EventID, got)
+				}
+			default:
+				t.Fatalf("JSONField found %q, a struct decoded by encoding/json %v", k.EventID, got)
+			}
+		}
 	})
+}
+
+// validTagName reports whether encoding/json takes s from a struct tag as a
+// field's name.
+func validTagName(s string) bool {
+	for _, c := range s {
+		switch {
+		case strings.ContainsRune("!#$%&()*+-./:;<=>?@[]^_{|}~ ", c):
+		case !unicode.IsLetter(c) && !unicode.IsDigit(c):
+			return false
+		}
+	}
+	return s != "" && s != "-" // "-": the field is skipped
 }
 
 // sfQuote serializes s as an RFC 8941 sf-string.
