@@ -119,18 +119,7 @@ func FuzzJSONField(f *testing.F) {
 				t.Fatalf("JSONField found %q at a path encoding/json lacks", k.EventID)
 			}
 		}
-		switch want := v.(type) {
-		case string:
-			if want != k.EventID {
-				t.Fatalf("JSONField found %q, encoding/json %q", k.EventID, want)
-			}
-		case json.Number:
-			if want.String() != k.EventID {
-				t.Fatalf("JSONField found %q, encoding/json the number %s", k.EventID, want)
-			}
-		default:
-			t.Fatalf("JSONField returned %q for a %T", k.EventID, v)
-		}
+		sameID(t, k.EventID, v, "a map decoded by encoding/json")
 		checkAccepted(t, k)
 		// Oracle: a handler decoding the body into a struct with the field
 		// reads the same id (encoding/json matches names in any case).
@@ -143,20 +132,26 @@ func FuzzJSONField(f *testing.F) {
 			if err := dec.Decode(v.Interface()); err != nil {
 				t.Fatalf("JSONField accepted a body encoding/json refuses: %v", err)
 			}
-			switch got := v.Elem().Field(0).Interface().(type) {
-			case string:
-				if got != k.EventID {
-					t.Fatalf("JSONField found %q, a struct decoded by encoding/json %q", k.EventID, got)
-				}
-			case json.Number:
-				if got.String() != k.EventID {
-					t.Fatalf("JSONField found %q, a struct decoded by encoding/json %s", k.EventID, got)
-				}
-			default:
-				t.Fatalf("JSONField found %q, a struct decoded by encoding/json %v", k.EventID, got)
-			}
+			sameID(t, k.EventID, v.Elem().Field(0).Interface(), "a struct decoded by encoding/json")
 		}
 	})
+}
+
+// sameID fails t unless the id JSONField found is v's text, as oracle
+// decoded it.
+func sameID(t *testing.T, id string, v any, oracle string) {
+	t.Helper()
+	switch want := v.(type) {
+	case string:
+		if want == id {
+			return
+		}
+	case json.Number:
+		if want.String() == id {
+			return
+		}
+	}
+	t.Fatalf("JSONField found %q, %s %#v", id, oracle, v)
 }
 
 // validTagName reports whether encoding/json takes s from a struct tag as a
