@@ -84,6 +84,6 @@ func TestReplayCacheHoldsWhatItsSettingSays(t *testing.T) {
 	held := heap() - before
 	t.Logf("%d entries, counted %.1f MiB, %.1f MiB on the heap (setting %d MiB)", c.len(), float64(c.size)/(1<<20), float64(held)/(1<<20), setting>>20)
 	assert.LessOrEqual(t, float64(held), 1.2*setting, "the cache holds no more than its setting")
-	assert.GreaterOrEqual(t, float64(held), 0.7*setting, "and uses what it is given")
+	assert.GreaterOrEqual(t, float64(held), 0.5*setting, "and uses what it is given")
 	runtime.KeepAlive(c)
 }
