@@ -156,10 +156,12 @@ func endpointKey(r *http.Request, name, id string) (Key, error) {
 // endpointPath spells u's path one way for all the spellings a router
 // routes alike, so that /webhooks/%73tripe is the endpoint /webhooks/stripe:
 // http.ServeMux and gorilla/mux route on the decoded path, chi on the path
-// as sent. As RFC 3986 §6.2.2 says, escapes are decoded, and those that
-// stay get upper-case hex digits; an escaped slash (%2F) stays escaped, as
-// routers tell /a%2Fb from /a/b (and a trailing slash stays, for the same
-// reason).
+// as sent. As RFC 3986 §6.2.2 says, escaped unreserved characters are
+// decoded and the escapes that stay get upper-case hex digits; and since
+// those routers decode every escape, so is any character that may stand
+// unescaped in a path (sub-delimiters, ":", "@", brackets: /a%21b is
+// /a!b). An escaped slash (%2F) stays escaped, as routers tell /a%2Fb from
+// /a/b (and a trailing slash stays, for the same reason).
 //
 // A path without escapes keeps the spelling the presets always gave it
 // (u.EscapedPath()): the path as sent when net/url accepts it as escaped
