@@ -90,8 +90,9 @@ type Options struct {
 	Methods []string
 
 	// MaxBodyBytes bounds the request body, which is read in full before the
-	// key is extracted; larger bodies get 413. 0 means
-	// DefaultMaxBodyBytes (1 MiB).
+	// key is extracted; larger bodies get 413. The buffer grows as the
+	// bytes arrive, from at most 32 KiB, whatever Content-Length announces.
+	// 0 means DefaultMaxBodyBytes (1 MiB).
 	MaxBodyBytes int64
 
 	// MaxResponseBytes bounds the buffered response: its body, plus, for
