@@ -49,12 +49,7 @@ func TestChi(t *testing.T) {
 	// chi routes on the path as sent: escaped spellings of the fixed route
 	// are not found, and none runs the order again (issue 28, F1).
 	t.Run("a delivery sent under every spelling of its path ships once", func(t *testing.T) {
-		for _, path := range webhooktest.Spellings("/webhooks/shopify/orders-create")[1:] {
-			r := webhooktest.Post(t, srv.URL+path, body, "X-Shopify-Event-Id", "8f1e5c3a")
-			if r.Status != http.StatusNotFound {
-				webhooktest.AssertReplay(t, first, r)
-			}
-		}
-		assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM fulfillments`))
+		webhooktest.PostSpellings(t, srv.URL, "/webhooks/shopify/orders-create", body, "X-Shopify-Event-Id", "c4d7")
+		assert.Equal(t, 2, webhooktest.Count(t, db, `SELECT count(*) FROM fulfillments`), "one more order: c4d7's")
 	})
 }

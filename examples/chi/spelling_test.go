@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"net/http"
 	"net/http/httptest"
 	"testing"
 
@@ -35,28 +34,8 @@ func TestChiWildcardPathSpellingsAreOneEndpoint(t *testing.T) {
 	const body = `{"id":820982911946154508,"email":"jon@example.com","total_price":"199.00"}`
 	fulfillments := func() int { return webhooktest.Count(t, db, `SELECT count(*) FROM fulfillments`) }
 
-	// sendAll sends one delivery under every spelling of path: the first
-	// is answered 200, every other one with its replay (or 404).
-	sendAll := func(path string) (replays int) {
-		var first webhooktest.Reply
-		for i, p := range webhooktest.Spellings(path) {
-			r := webhooktest.Post(t, srv.URL+p, body, "X-Shopify-Event-Id", "b2e1")
-			switch {
-			case i == 0:
-				require.Equal(t, http.StatusOK, r.Status, "body: %s", r.Body)
-				first = r
-			case r.Status == http.StatusNotFound:
-				assert.False(t, r.Replayed(), p)
-			default:
-				webhooktest.AssertReplay(t, first, r)
-				replays++
-			}
-		}
-		return replays
-	}
-
-	assert.Positive(t, sendAll("/webhooks/acct_1/orders-create"), "the wildcard took escaped spellings")
+	assert.Positive(t, webhooktest.PostSpellings(t, srv.URL, "/webhooks/acct_1/orders-create", body, "X-Shopify-Event-Id", "b2e1"), "the wildcard took escaped spellings")
 	assert.Equal(t, 1, fulfillments(), "one fulfillment for every spelling")
-	sendAll("/webhooks/acct_2/orders-create")
+	webhooktest.PostSpellings(t, srv.URL, "/webhooks/acct_2/orders-create", body, "X-Shopify-Event-Id", "b2e1")
 	assert.Equal(t, 2, fulfillments(), "another account's endpoint runs the event itself")
 }

@@ -105,3 +105,26 @@ func Spellings(path string) []string {
 	}
 	return append(out, all.String())
 }
+
+// PostSpellings posts body, with the header pairs, to every spelling of
+// path on base (see Spellings). The first, path as given, must be answered
+// 2xx; every other one must be its replay, or not found (a router that
+// routes on the path as sent). It returns how many were replays.
+func PostSpellings(t testing.TB, base, path, body string, header ...string) (replays int) {
+	t.Helper()
+	var first Reply
+	for i, p := range Spellings(path) {
+		r := Post(t, base+p, body, header...)
+		switch {
+		case i == 0:
+			require.True(t, r.Status >= 200 && r.Status < 300, "%s: %d %s", p, r.Status, r.Body)
+			first = r
+		case r.Status == http.StatusNotFound:
+			assert.False(t, r.Replayed(), p)
+		default:
+			AssertReplay(t, first, r)
+			replays++
+		}
+	}
+	return replays
+}
