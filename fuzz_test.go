@@ -6,8 +6,11 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"reflect"
 	"strings"
 	"testing"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -73,6 +76,8 @@ func FuzzJSONField(f *testing.F) {
 		{`{"id": null}`, "id"},
 		{`["id"]`, "id"},
 		{`{"id": "x"} {"id": "y"}`, "id"},
+		{`{"id": "evt_A", "ID": "evt_B"}`, "id"},
+		{`{"kid": "a", "\u212aid": "b"}`, "kid"},
 		{`{"d\u0061ta": {"id": "x"}}`, "data.id"},
 		{strings.Repeat("[", 20000) + strings.Repeat("]", 20000), "id"},
 		{`{"id": "` + strings.Repeat("a", 300) + `"}`, "id"},
@@ -114,20 +119,52 @@ func FuzzJSONField(f *testing.F) {
 				t.Fatalf("JSONField found %q at a path encoding/json lacks", k.EventID)
 			}
 		}
-		switch want := v.(type) {
-		case string:
-			if want != k.EventID {
-				t.Fatalf("JSONField found %q, encoding/json %q", k.EventID, want)
-			}
-		case json.Number:
-			if want.String() != k.EventID {
-				t.Fatalf("JSONField found %q, encoding/json the number %s", k.EventID, want)
-			}
-		default:
-			t.Fatalf("JSONField returned %q for a %T", k.EventID, v)
-		}
+		sameID(t, k.EventID, v, "a map decoded by encoding/json")
 		checkAccepted(t, k)
+		// Oracle: a handler decoding the body into a struct with the field
+		// reads the same id (encoding/json matches names in any case).
+		if len(segs) == 1 && validTagName(segs[0]) {
+			v := reflect.New(reflect.StructOf([]reflect.StructField{{
+				Name: "V", Type: reflect.TypeFor[any](), Tag: reflect.StructTag(`json:"` + segs[0] + `"`),
+			}}))
+			dec := json.NewDecoder(bytes.NewReader(body))
+			dec.UseNumber()
+			if err := dec.Decode(v.Interface()); err != nil {
+				t.Fatalf("JSONField accepted a body encoding/json refuses: %v", err)
+			}
+			sameID(t, k.EventID, v.Elem().Field(0).Interface(), "a struct decoded by encoding/json")
+		}
 	})
+}
+
+// sameID fails t unless the id JSONField found is v's text, as oracle
+// decoded it.
+func sameID(t *testing.T, id string, v any, oracle string) {
+	t.Helper()
+	switch want := v.(type) {
+	case string:
+		if want == id {
+			return
+		}
+	case json.Number:
+		if want.String() == id {
+			return
+		}
+	}
+	t.Fatalf("JSONField found %q, %s %#v", id, oracle, v)
+}
+
+// validTagName reports whether encoding/json takes s from a struct tag as a
+// field's name.
+func validTagName(s string) bool {
+	for _, c := range s {
+		switch {
+		case strings.ContainsRune("!#$%&()*+-./:;<=>?@[]^_{|}~ ", c):
+		case !unicode.IsLetter(c) && !unicode.IsDigit(c):
+			return false
+		}
+	}
+	return s != "" && s != "-" // "-": the field is skipped
 }
 
 // sfQuote serializes s as an RFC 8941 sf-string.
@@ -379,6 +416,53 @@ func FuzzRecorder(f *testing.F) {
 		if next2.wroteHeader || next2.status != 0 || next2.body.Len() != 0 || next2.overflow || len(next2.Header()) != 0 || next2.limit != 5 {
 			t.Fatalf("a recorder from the pool is not clean: status %d, body %q, overflow %v, header %v",
 				next2.status, next2.body.Bytes(), next2.overflow, next2.Header())
+		}
+	})
+}
+
+// FuzzEndpointPath: the presets' path is plain printable ASCII, a fixed
+// point (its own spelling), and names the same segments as the path sent:
+// decoding each piece between escaped slashes gives the same text.
+func FuzzEndpointPath(f *testing.F) {
+	for _, s := range []string{"/webhooks/stripe", "/webhooks/%73tripe", "/a%2fb/", "/caf%c3%a9!", "/a%22b%2Fc!", "/a%25%32F", "/%zz", "/a b", "/%2F%2f%2F", "/a[b]%5d"} {
+		f.Add(s)
+	}
+	pieces := func(p string) []string {
+		var out []string
+		for {
+			i := indexEscapedSlash(p)
+			if i < 0 {
+				s, _ := url.PathUnescape(p)
+				return append(out, s)
+			}
+			s, _ := url.PathUnescape(p[:i])
+			out = append(out, s)
+			p = p[i+3:]
+		}
+	}
+	f.Fuzz(func(t *testing.T, target string) {
+		u, err := url.ParseRequestURI(target)
+		if err != nil || u.Opaque != "" || !strings.HasPrefix(target, "/") {
+			return
+		}
+		p := endpointPath(u)
+		for i := 0; i < len(p); i++ {
+			if p[i] <= ' ' || p[i] >= 0x7f {
+				t.Fatalf("%q: path %q is not printable ASCII", target, p)
+			}
+		}
+		again, err := url.ParseRequestURI(p)
+		if err != nil {
+			t.Fatalf("%q: path %q does not parse: %v", target, p, err)
+		}
+		if q := endpointPath(again); q != p {
+			t.Fatalf("%q: path %q is spelled %q when sent", target, p, q)
+		}
+		if !strings.Contains(u.RawPath, "%") {
+			return // no escapes: the spelling of before (a golden test pins it)
+		}
+		if a, b := pieces(u.RawPath), pieces(p); strings.Join(a, "\x00") != strings.Join(b, "\x00") {
+			t.Fatalf("%q: path %q names %q, not %q", target, p, b, a)
 		}
 	})
 }

@@ -181,6 +181,8 @@ func TestHostileRequestsAre4xxStoreNothingAndTheServerKeepsServing(t *testing.T)
 			rawRequest{path: "/", headers: append(key("evt_a"), key("evt_b")...), body: []byte("{}")}, 400},
 		{"the JSON id twice, to be read two ways", srv,
 			rawRequest{path: "/json", body: []byte(`{"data": {"id": "evt_a", "id": "evt_b"}}`)}, 400},
+		{"the JSON id twice, in two cases encoding/json reads alike", srv,
+			rawRequest{path: "/json", body: []byte(`{"data": {"id": "evt_a", "ID": "evt_b"}}`)}, 400},
 		{"an Idempotency-Key with text after the string", srv,
 			rawRequest{path: "/idempotency-key", headers: []string{`Idempotency-Key: "evt_a" "evt_b"`}, body: []byte("{}")}, 400},
 		{"an empty key", srv,

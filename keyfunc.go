@@ -3,9 +3,9 @@ package idem
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -58,7 +58,11 @@ func Header(source, name string) KeyFunc {
 // object keys: "id" is the top-level field, "data.id" reaches into nested
 // objects. The field must be a string or a number (a number's id is its
 // literal text). Malformed JSON, a missing field, another type, or a key that
-// appears twice on the path are bad requests.
+// appears twice on the path are bad requests; a name that differs from the
+// path's only in case counts as the key appearing again, as encoding/json,
+// which a handler likely decodes the body with, matches names in any case
+// (`{"id":"evt_A","ID":"evt_B"}` would be evt_B to it). The body is scanned
+// once, with no allocation per value.
 //
 // JSONField panics if path is empty or has an empty segment: that is a
 // programming error, caught when the KeyFunc is built.
@@ -146,16 +150,97 @@ func (f KeyFunc) WithSource(source string) KeyFunc {
 }
 
 // endpointKey is a preset's key: the event id, scoped by the preset's name
-// and the request's method and path (as sent, still escaped, so it is plain
-// ASCII). Two endpoints never share a preset's keys, and a method the route
-// does not serve never replays another method's answer.
+// and the request's method (upper-cased) and path (normalised by
+// endpointPath, so it is plain ASCII). Two endpoints never share a preset's
+// keys, and a method the route does not serve never replays another
+// method's answer.
 func endpointKey(r *http.Request, name, id string) (Key, error) {
-	path := r.URL.EscapedPath()
-	source := name + " " + r.Method + " " + path
+	path := endpointPath(r.URL)
+	source := name + " " + strings.ToUpper(r.Method) + " " + path
 	if len(source) > MaxKeyLen {
 		return Key{}, fmt.Errorf("%w: the path is too long to scope the key by endpoint (%d bytes); give the KeyFunc a fixed source with WithSource", ErrInvalidKey, len(path))
 	}
 	return Key{Source: source, EventID: id}, nil
+}
+
+// endpointPath spells u's path one way for all the spellings a router
+// routes alike, so that /webhooks/%73tripe is the endpoint /webhooks/stripe:
+// http.ServeMux and gorilla/mux route on the decoded path, chi on the path
+// as sent. As RFC 3986 §6.2.2 says, escaped unreserved characters are
+// decoded and the escapes that stay get upper-case hex digits; and since
+// those routers decode every escape, so is any character that may stand
+// unescaped in a path (sub-delimiters, ":", "@", brackets: /a%21b is
+// /a!b). An escaped slash (%2F) stays escaped, as routers tell /a%2Fb from
+// /a/b (and a trailing slash stays, for the same reason).
+//
+// A path without escapes keeps the spelling the presets always gave it
+// (u.EscapedPath()): the path as sent when net/url accepts it as escaped
+// (letters, digits, -._~!$&'()*+,;=:@[] and slashes), else the path
+// escaped by net/url. A path with escapes is spelled as that same path
+// without them would be.
+func endpointPath(u *url.URL) string {
+	raw := u.RawPath
+	if raw == "" || !strings.Contains(raw, "%") {
+		return u.EscapedPath()
+	}
+	if p, err := url.PathUnescape(raw); err != nil || p != u.Path {
+		return u.EscapedPath() // RawPath is stale: net/url ignores it too
+	}
+	// The segments between escaped slashes, decoded.
+	var pieces []string
+	plain := true // every decoded byte may stand as it is
+	for rest := raw; ; {
+		i := indexEscapedSlash(rest)
+		piece := rest
+		if i >= 0 {
+			piece = rest[:i]
+		}
+		piece, _ = url.PathUnescape(piece) // a whole escape never straddles a cut
+		plain = plain && asSent(piece)
+		pieces = append(pieces, piece)
+		if i < 0 {
+			break
+		}
+		rest = rest[i+3:]
+	}
+	var b strings.Builder
+	for i, piece := range pieces {
+		if i > 0 {
+			b.WriteString("%2F")
+		}
+		if plain {
+			b.WriteString(piece)
+		} else {
+			b.WriteString((&url.URL{Path: piece}).EscapedPath())
+		}
+	}
+	return b.String()
+}
+
+// indexEscapedSlash returns the index of the first %2F (or %2f) in s, or -1.
+func indexEscapedSlash(s string) int {
+	for i := 0; i+2 < len(s); i++ {
+		if s[i] == '%' && s[i+1] == '2' && (s[i+2] == 'F' || s[i+2] == 'f') {
+			return i
+		}
+	}
+	return -1
+}
+
+// asSent reports whether net/url leaves a path made of s's bytes as it is
+// sent: unreserved characters, sub-delimiters, ":", "@", brackets and
+// slashes only.
+func asSent(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case strings.IndexByte("-._~!$&'()*+,;=:@[]/", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // GitHub returns the KeyFunc for GitHub webhooks: the X-GitHub-Delivery GUID,
@@ -315,9 +400,8 @@ func jsonField(r *http.Request, body []byte, path []string, stringOnly bool) (st
 		}
 		return "", fmt.Errorf("%w: the body is not valid JSON", ErrBadBody)
 	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	id, found, err := findField(dec, path, 0, stringOnly)
+	sc := jsonScan{b: body}
+	id, found, err := sc.findField(path, 0, stringOnly)
 	if err != nil {
 		return "", err
 	}
@@ -327,32 +411,58 @@ func jsonField(r *http.Request, body []byte, path []string, stringOnly bool) (st
 	return id, nil
 }
 
-// findField reads one whole JSON value from dec, which must be an object,
-// and looks for path[depth:] inside it.
-func findField(dec *json.Decoder, path []string, depth int, stringOnly bool) (id string, found bool, err error) {
-	if err := enterObject(dec); err != nil {
+// jsonScan walks a body that json.Valid has accepted, so it needs no error
+// handling of its own: it skips values without decoding them, and decodes
+// only the names of the objects on the path and the value found. A key
+// costs one pass over the body and no allocation per value, however many
+// values a hostile body holds (encoding/json's Decoder.Token allocates for
+// each).
+type jsonScan struct {
+	b []byte
+	i int
+}
+
+// findField reads one whole JSON value, which must be an object, and looks
+// for path[depth:] inside it. encoding/json matches a field's name without
+// regard to case (an exact match first; of two, the later wins): a name
+// that matches path[depth] in another case counts as the field appearing
+// again, so a body that encoding/json could read two ways is refused.
+func (s *jsonScan) findField(path []string, depth int, stringOnly bool) (id string, found bool, err error) {
+	s.space()
+	if s.b[s.i] != '{' {
 		return "", false, fmt.Errorf("%w: %s is not a JSON object", ErrInvalidKey, dotted(path[:depth]))
 	}
-	seg := path[depth]
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return "", false, err
+	s.i++
+	seg := []byte(path[depth])
+	seen := 0 // names equal to seg in any case
+	for {
+		s.space()
+		switch s.b[s.i] {
+		case '}':
+			s.i++
+			return id, found, nil
+		case ',':
+			s.i++
+			s.space()
 		}
-		if name, _ := tok.(string); name != seg {
-			if err := skipValue(dec); err != nil {
-				return "", false, err
-			}
+		name := s.name()
+		s.space()
+		s.i++ // the colon
+		if !bytes.EqualFold(name, seg) {
+			s.skip()
 			continue
 		}
-		if found {
-			return "", false, fmt.Errorf("%w: field %s appears more than once", ErrInvalidKey, dotted(path[:depth+1]))
+		if seen++; seen > 1 {
+			return "", false, fmt.Errorf("%w: field %s appears more than once (names are matched in any case)", ErrInvalidKey, dotted(path[:depth+1]))
+		}
+		if !bytes.Equal(name, seg) {
+			s.skip() // another case of the name: only an exact one is the key
+			continue
 		}
 		found = true
 		if depth+1 < len(path) {
 			var sub bool
-			id, sub, err = findField(dec, path, depth+1, stringOnly)
-			if err != nil {
+			if id, sub, err = s.findField(path, depth+1, stringOnly); err != nil {
 				return "", false, err
 			}
 			if !sub {
@@ -360,26 +470,117 @@ func findField(dec *json.Decoder, path []string, depth int, stringOnly bool) (id
 			}
 			continue
 		}
-		tok, err = dec.Token()
-		if err != nil {
+		if id, err = s.leaf(path, stringOnly); err != nil {
 			return "", false, err
 		}
-		switch t := tok.(type) {
-		case string:
-			id = t
-		case json.Number:
-			if stringOnly {
-				return "", false, fmt.Errorf("%w: field %s must be a string", ErrInvalidKey, dotted(path))
-			}
-			id = t.String()
+	}
+}
+
+// leaf reads the value found at path: a string, or a number's literal text.
+func (s *jsonScan) leaf(path []string, stringOnly bool) (string, error) {
+	s.space()
+	switch c := s.b[s.i]; {
+	case c == '"':
+		return s.str(), nil
+	case c == '-' || ('0' <= c && c <= '9'):
+		if stringOnly {
+			return "", fmt.Errorf("%w: field %s must be a string", ErrInvalidKey, dotted(path))
+		}
+		start := s.i
+		s.literal()
+		return string(s.b[start:s.i]), nil
+	}
+	return "", fmt.Errorf("%w: field %s must be a string or a number", ErrInvalidKey, dotted(path))
+}
+
+func (s *jsonScan) space() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ' ', '\t', '\n', '\r':
+			s.i++
 		default:
-			return "", false, fmt.Errorf("%w: field %s must be a string or a number", ErrInvalidKey, dotted(path))
+			return
 		}
 	}
-	if _, err := dec.Token(); err != nil { // the closing brace
-		return "", false, err
+}
+
+// rawString moves past the string at s.i and returns what is between its
+// quotes, still escaped, and whether it has escapes.
+func (s *jsonScan) rawString() (raw []byte, escaped bool) {
+	s.i++ // the opening quote
+	start := s.i
+	for {
+		switch s.b[s.i] {
+		case '"':
+			s.i++
+			return s.b[start : s.i-1], escaped
+		case '\\':
+			escaped = true
+			s.i += 2
+		default:
+			s.i++
+		}
 	}
-	return id, found, nil
+}
+
+// str reads the string at s.i, decoded as encoding/json decodes it.
+func (s *jsonScan) str() string {
+	start := s.i
+	if raw, escaped := s.rawString(); !escaped {
+		return string(raw)
+	}
+	var v string
+	_ = json.Unmarshal(s.b[start:s.i], &v) // valid: the body is
+	return v
+}
+
+// name reads an object's member name, decoded; without allocating, unless
+// it has escapes.
+func (s *jsonScan) name() []byte {
+	start := s.i
+	raw, escaped := s.rawString()
+	if !escaped {
+		return raw
+	}
+	s.i = start
+	return []byte(s.str())
+}
+
+// literal moves past a number, true, false or null.
+func (s *jsonScan) literal() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ',', '}', ']', ' ', '\t', '\n', '\r':
+			return
+		}
+		s.i++
+	}
+}
+
+// skip moves past one whole value.
+func (s *jsonScan) skip() {
+	depth := 0
+	for {
+		s.space()
+		switch s.b[s.i] {
+		case '"':
+			s.rawString()
+		case '{', '[':
+			depth++
+			s.i++
+		case '}', ']':
+			depth--
+			s.i++
+		case ',', ':':
+			s.i++
+			continue
+		default:
+			s.literal()
+		}
+		if depth == 0 {
+			return
+		}
+	}
 }
 
 func dotted(path []string) string {
@@ -387,38 +588,6 @@ func dotted(path []string) string {
 		return "the body"
 	}
 	return fmt.Sprintf("%q", strings.Join(path, "."))
-}
-
-func enterObject(dec *json.Decoder) error {
-	tok, err := dec.Token()
-	if err != nil {
-		return err
-	}
-	if d, ok := tok.(json.Delim); !ok || d != '{' {
-		return errors.New("not an object")
-	}
-	return nil
-}
-
-// skipValue consumes one complete JSON value.
-func skipValue(dec *json.Decoder) error {
-	depth := 0
-	for {
-		tok, err := dec.Token()
-		if err != nil {
-			return err
-		}
-		if d, ok := tok.(json.Delim); ok {
-			if d == '{' || d == '[' {
-				depth++
-			} else {
-				depth--
-			}
-		}
-		if depth == 0 {
-			return nil
-		}
-	}
 }
 
 // validateKey applies the rules every Key must pass before it reaches SQL.

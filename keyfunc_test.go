@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -39,6 +40,12 @@ func TestKeyFuncs(t *testing.T) {
 		{"JSONField parent not an object", idem.JSONField("acme", "data.id"), `{"data":"x"}`, nil, idem.Key{}, idem.ErrInvalidKey},
 		{"JSONField null", idem.JSONField("acme", "id"), `{"id":null}`, nil, idem.Key{}, idem.ErrInvalidKey},
 		{"JSONField boolean", idem.JSONField("acme", "id"), `{"id":true}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe id twice, in two cases", idem.Stripe(), `{"id":"evt_A","ID":"evt_B"}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe id twice, the other case first", idem.Stripe(), `{"Id":"evt_B","id":"evt_A"}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"Stripe id only in another case", idem.Stripe(), `{"ID":"evt_B"}`, nil, idem.Key{}, idem.ErrNoKey},
+		{"JSONField parent twice, in two cases", idem.JSONField("acme", "data.id"), `{"data":{"id":"a"},"DATA":{"id":"b"}}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField name folded as Unicode folds it", idem.JSONField("acme", "kid"), `{"kid":"a","\u212aid":"b"}`, nil, idem.Key{}, idem.ErrInvalidKey},
+		{"JSONField escaped name", idem.JSONField("acme", "id"), `{"\u0069d":"evt_esc","x":[1,{"id":2}]}`, nil, idem.Key{Source: "acme", EventID: "evt_esc"}, nil},
 		{"JSONField duplicate parent", idem.JSONField("acme", "data.id"), `{"data":{"id":"a"},"data":{"id":"b"}}`, nil, idem.Key{}, idem.ErrInvalidKey},
 		{"JSONField trailing garbage", idem.JSONField("acme", "id"), `{"id":"a"} x`, nil, idem.Key{}, idem.ErrBadBody},
 		{"JSONField empty body", idem.JSONField("acme", "id"), "", nil, idem.Key{}, idem.ErrBadBody},
@@ -129,4 +136,99 @@ func TestNewValidatesOptions(t *testing.T) {
 	assert.ErrorContains(t, err, "a-z, 0-9 and _", "only lower-case identifiers are taken")
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Table: "billing.webhook_keys"})
 	assert.NoError(t, err, "a schema-qualified name")
+}
+
+// The presets' sources for paths without percent-encoding, as they were
+// before presets normalised the path (issue 28): keys already stored under
+// them must still be found after an upgrade. Written against the code before
+// the change, and unchanged by it.
+func TestEndpointSourcesOfPlainPathsStayAsTheyWere(t *testing.T) {
+	for path, want := range map[string]string{
+		"/":                            "stripe POST /",
+		"/webhooks/stripe":             "stripe POST /webhooks/stripe",
+		"/webhooks/stripe/":            "stripe POST /webhooks/stripe/",
+		"/webhooks/acct_123/stripe":    "stripe POST /webhooks/acct_123/stripe",
+		"/a-b_c.d~e/F0":                "stripe POST /a-b_c.d~e/F0",
+		"/a!b$c&d'e(f)g*h+i,j;k=l:m@n": "stripe POST /a!b$c&d'e(f)g*h+i,j;k=l:m@n",
+		"/a[b]":                        "stripe POST /a[b]",
+		"//webhooks//stripe":           "stripe POST //webhooks//stripe",
+		"/webhooks/./stripe":           "stripe POST /webhooks/./stripe",
+		"/webhooks/stripe?x=1":         "stripe POST /webhooks/stripe",
+		"/a\"b!c":                      "stripe POST /a%22b%21c",
+		"/a{b}|c^d`e<f>g\\h":           "stripe POST /a%7Bb%7D%7Cc%5Ed%60e%3Cf%3Eg%5Ch",
+		"/café!":                       "stripe POST /caf%C3%A9%21",
+	} {
+		r := httptest.NewRequest(http.MethodPost, path, strings.NewReader(`{"id":"evt_1"}`))
+		k, err := idem.Stripe()(r, []byte(`{"id":"evt_1"}`))
+		require.NoError(t, err, path)
+		assert.Equal(t, want, k.Source, path)
+	}
+}
+
+// hostileBodies are 1 MiB JSON bodies made to cost a key extractor the
+// most: very many small values, deep nesting, many members.
+func hostileBodies() map[string][]byte {
+	const size = 1 << 20
+	fill := func(open, unit, close string) []byte {
+		n := (size - len(open) - len(close)) / len(unit)
+		b := []byte(open + strings.Repeat(unit, n))
+		b = b[:len(b)-1] // the last separator
+		return append(b, close...)
+	}
+	deep := strings.Repeat("[", 5000) + strings.Repeat("]", 5000)
+	return map[string][]byte{
+		"many small values": fill(`{"id":"evt_1","v":[`, "0,", `]}`),
+		"many members":      fill(`{"id":"evt_1",`, `"k":1,`, `}`),
+		"deep arrays":       fill(`{"id":"evt_1","v":[`, deep+",", `]}`),
+		"many strings":      fill(`{"v":[`, `"a\"b",`, `],"id":"evt_1"}`),
+	}
+}
+
+// The key scan allocates for what it returns, never per value of the body:
+// a hostile 1 MiB body costs a handful of allocations (encoding/json's
+// token reader made 3 million).
+func TestJSONKeyScanAllocationsAreBounded(t *testing.T) {
+	kf := idem.Stripe()
+	r := httptest.NewRequest(http.MethodPost, "/webhooks/stripe", nil)
+	for name, body := range hostileBodies() {
+		k, err := kf(r, body)
+		require.NoError(t, err, name)
+		require.Equal(t, "evt_1", k.EventID, name)
+		allocs := testing.AllocsPerRun(3, func() { _, _ = kf(r, body) })
+		// A few for the key; the bound leaves room for what other
+		// goroutines of the test binary allocate meanwhile (AllocsPerRun
+		// counts the whole process's).
+		assert.LessOrEqual(t, allocs, 100.0, "%s: allocations per key", name)
+	}
+}
+
+// BenchmarkJSONKeyScan compares the Stripe preset's key scan with what a
+// handler does to read the same id, json.Unmarshal into a struct, on the
+// hostile bodies.
+func BenchmarkJSONKeyScan(b *testing.B) {
+	r := httptest.NewRequest(http.MethodPost, "/webhooks/stripe", nil)
+	kf := idem.Stripe()
+	for name, body := range hostileBodies() {
+		b.Run(name+"/Stripe", func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				if _, err := kf(r, body); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(name+"/json.Unmarshal", func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(body)))
+			for b.Loop() {
+				var event struct {
+					ID string `json:"id"`
+				}
+				if err := json.Unmarshal(body, &event); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
 }

@@ -36,19 +36,30 @@ const (
 const maxClaimAttempts = 4
 
 // DefaultReplayHeaders are the response headers stored and replayed when
-// Options.ReplayHeaders is nil. Content-Type is always replayed.
+// Options.ReplayHeaders is nil. Content-Type is always replayed. They are
+// the headers that describe the answer, and those that tell the client how
+// to treat it safely (no sniffing, the content policy, framing, referrers,
+// HTTPS only, cross-origin isolation): a replay without them would be a
+// weaker answer than the original.
 var DefaultReplayHeaders = []string{
 	"Content-Type", "Content-Encoding", "Content-Language", "Content-Location",
 	"Location", "ETag", "Last-Modified", "Cache-Control", "Link", "Vary",
+	"X-Content-Type-Options", "Content-Security-Policy", "Content-Security-Policy-Report-Only",
+	"X-Frame-Options", "Referrer-Policy", "Strict-Transport-Security", "Permissions-Policy",
+	"Cross-Origin-Opener-Policy", "Cross-Origin-Embedder-Policy", "Cross-Origin-Resource-Policy",
 }
 
-// neverReplayed are headers that carry credentials or session state: they
-// are never stored, and New refuses them in ReplayHeaders.
-var neverReplayed = map[string]bool{
-	"Set-Cookie": true, "Set-Cookie2": true, "Authorization": true, "Proxy-Authorization": true,
-	"Www-Authenticate": true, "Proxy-Authenticate": true, "Cookie": true,
-	"Content-Length": true, "Transfer-Encoding": true, "Connection": true, "Trailer": true,
-	"Idempotent-Replayed": true,
+// neverReplayed are the headers New refuses in ReplayHeaders, and why:
+// those that carry credentials or session state, the hop-by-hop headers
+// of one connection (RFC 9110 §7.6.1, and the legacy ones proxies still
+// send), and those the middleware writes itself.
+var neverReplayed = map[string]string{
+	"Set-Cookie": "credentials", "Set-Cookie2": "credentials", "Cookie": "credentials",
+	"Authorization": "credentials", "Proxy-Authorization": "credentials",
+	"Www-Authenticate": "credentials", "Proxy-Authenticate": "credentials",
+	"Connection": "hop-by-hop", "Keep-Alive": "hop-by-hop", "Proxy-Connection": "hop-by-hop",
+	"Te": "hop-by-hop", "Trailer": "hop-by-hop", "Transfer-Encoding": "hop-by-hop", "Upgrade": "hop-by-hop",
+	"Content-Length": "written by the middleware", "Idempotent-Replayed": "written by the middleware",
 }
 
 // Options configures a Middleware. The zero value of every field but KeyFunc
@@ -75,17 +86,22 @@ type Options struct {
 
 	// Methods are the request methods the middleware makes idempotent; other
 	// methods (GET, HEAD, OPTIONS, ...) go straight to the handler, without a
-	// transaction. nil means POST, PUT, PATCH and DELETE.
+	// transaction. nil means POST, PUT, PATCH and DELETE. They are matched
+	// without regard to case: a route registered without a method runs its
+	// handler for `post` too, so `post` is claimed as POST (and a preset
+	// scopes it as POST).
 	Methods []string
 
 	// MaxBodyBytes bounds the request body, which is read in full before the
-	// key is extracted; larger bodies get 413. 0 means
-	// DefaultMaxBodyBytes (1 MiB).
+	// key is extracted; larger bodies get 413. The buffer grows as the
+	// bytes arrive, from at most 32 KiB, whatever Content-Length announces.
+	// 0 means DefaultMaxBodyBytes (1 MiB).
 	MaxBodyBytes int64
 
-	// MaxResponseBytes bounds the buffered response; a handler that writes
-	// more is rolled back and answered 500. 0 means DefaultMaxResponseBytes
-	// (1 MiB).
+	// MaxResponseBytes bounds the buffered response: its body, plus, for
+	// an answer to be stored, the replayed headers as stored (a JSON
+	// object). A handler whose answer is larger is rolled back and answered
+	// 500. 0 means DefaultMaxResponseBytes (1 MiB).
 	MaxResponseBytes int64
 
 	// CacheStatus reports whether a handler's status is final: stored,
@@ -159,7 +175,9 @@ type Options struct {
 	// still checked). Only keys that have had a duplicate are kept, so the
 	// great majority of events, which never do, cost the cache nothing.
 	// Duplicates of keys this instance has not replayed always go to the
-	// database. 0 means DefaultReplayCacheBytes (16 MiB); a negative value
+	// database. The bound is on the heap the cache holds, keys, answers and
+	// bookkeeping counted as allocated (a small JSON answer costs about 900
+	// bytes). 0 means DefaultReplayCacheBytes (16 MiB); a negative value
 	// turns the cache off.
 	ReplayCacheBytes int64
 
@@ -396,8 +414,8 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 	m.replayHeaders = []string{"Content-Type"}
 	for _, h := range headers {
 		c := http.CanonicalHeaderKey(h)
-		if neverReplayed[c] {
-			return nil, fmt.Errorf("idem: Options.ReplayHeaders: %s is never replayed", c)
+		if why, ok := neverReplayed[c]; ok {
+			return nil, fmt.Errorf("idem: Options.ReplayHeaders: %s is never replayed (%s)", c, why)
 		}
 		if c != "Content-Type" && c != "" {
 			m.replayHeaders = append(m.replayHeaders, c)
@@ -464,9 +482,15 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 	})
 }
 
+// covers reports whether the middleware claims requests with method. HTTP
+// methods are case-sensitive, but a route registered without a method
+// receives `post` as well as `POST`, and runs the same handler: a method
+// that differs from a covered one only in case is covered (it fails closed,
+// claimed rather than waved through), and the presets scope it as the
+// upper-case method, so `post` after `POST` is a replay.
 func (m *Middleware) covers(method string) bool {
 	for _, c := range m.methods {
-		if c == method {
+		if strings.EqualFold(c, method) {
 			return true
 		}
 	}
@@ -595,6 +619,11 @@ func (x *exchange) replayCached(key Key, digest []byte, now time.Time) bool {
 	return true
 }
 
+// initialBodyBuffer bounds the buffer a request body starts with, whatever
+// its Content-Length announces: connections that announce large bodies and
+// stall commit no more memory than this each.
+const initialBodyBuffer = 32 << 10
+
 // readBody reads the whole request body, bounded by MaxBodyBytes.
 func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error) {
 	if r.ContentLength > m.maxBody {
@@ -604,7 +633,10 @@ func (m *Middleware) readBody(r *http.Request, buf *bytes.Buffer) ([]byte, error
 		return []byte{}, nil
 	}
 	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength) + 1)
+		// Content-Length is the client's word, not bytes received: a
+		// bounded start, then the buffer grows as the bytes arrive (room
+		// for the read that finds EOF saves a copy of small bodies).
+		buf.Grow(int(min(r.ContentLength+bytes.MinRead, initialBodyBuffer)))
 	}
 	n, err := buf.ReadFrom(&limitedReader{r: r.Body, n: m.maxBody + 1})
 	if err != nil {
@@ -877,6 +909,11 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 	finished = true
 
 	status := rec.finalStatus()
+	final := m.cacheStatus(status)
+	var headers []byte // the stored headers are part of the answer's size
+	if final {
+		headers = appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
+	}
 	switch {
 	case ctx.Err() != nil:
 		// Past HandlerTimeout, whatever the handler answered (often its
@@ -885,11 +922,11 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		_ = tx.Rollback(ctx)
 		x.fail(OutcomeRolledBack, problemFor(fmt.Errorf("%w: the handler returned %d after %v", ErrHandlerTimeout, status, m.handlerTimeout)))
 		return
-	case rec.overflow:
+	case rec.overflow || len(headers)+rec.body.Len() > m.maxResponse:
 		_ = tx.Rollback(ctx)
 		x.fail(OutcomeRolledBack, problemFor(ErrResponseTooLarge))
 		return
-	case !m.cacheStatus(status):
+	case !final:
 		// Not final: roll back the claim and the handler's writes, so the
 		// sender's retry runs again; send the handler's answer as it is.
 		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
@@ -901,7 +938,6 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		return
 	}
 
-	headers := appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
 	answer := rec.body.Bytes()
 	if answer == nil {
 		answer = []byte{} // an empty answer is stored as '', not NULL

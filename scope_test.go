@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -100,4 +101,63 @@ func TestBadBodiesAreNamedAsSuch(t *testing.T) {
 	assert.Contains(t, string(long.body), "WithSource")
 	assert.Equal(t, 0, f.keys())
 	assert.Equal(t, 0, f.ledgerRows())
+}
+
+// Every spelling of a path that a router routes to one handler is one
+// endpoint (issue 28, F1): percent-encoded unreserved characters are
+// decoded, the hex digits of the remaining escapes upper-cased; an escaped
+// slash and a trailing slash stay, as routers tell those paths apart.
+func TestEndpointSourcesNormaliseThePath(t *testing.T) {
+	for path, want := range map[string]string{
+		"/webhooks/%73tripe":               "/webhooks/stripe",
+		"/%77ebhooks/stripe":               "/webhooks/stripe",
+		"/webhooks/s%74ripe":               "/webhooks/stripe",
+		"/%77%65%62%68%6F%6f%6B%73/STRIPE": "/webhooks/STRIPE",
+		"/webhooks/%2E/stripe":             "/webhooks/./stripe",
+		"/webhooks/a%2fb":                  "/webhooks/a%2Fb",
+		"/webhooks/a%2Fb":                  "/webhooks/a%2Fb",
+		"/webhooks/stripe%2f":              "/webhooks/stripe%2F",
+		"/a%21b%5Bc%5d%3a":                 "/a!b[c]:",
+		"/a%25b":                           "/a%25b",
+		"/a%252F":                          "/a%252F",
+		"/caf%c3%a9%21":                    "/caf%C3%A9%21",
+		"/a%22b!c":                         "/a%22b%21c",
+		"/a%22b%2fc!":                      "/a%22b%2Fc%21",
+	} {
+		r := httptest.NewRequest(http.MethodPost, path, strings.NewReader(`{"id":"evt_1"}`))
+		k, err := idem.Stripe()(r, []byte(`{"id":"evt_1"}`))
+		require.NoError(t, err, path)
+		assert.Equal(t, "stripe POST "+want, k.Source, path)
+	}
+}
+
+// One captured delivery, sent under every spelling of its path, runs the
+// handler once on http.ServeMux (which routes on the decoded path); a
+// pattern's wildcard still tells two accounts' endpoints apart.
+func TestPercentSpellingsOfAPathAreOneEndpointOnServeMux(t *testing.T) {
+	t.Parallel()
+	mux := http.NewServeMux()
+	f := newFixture(t, idem.Options{KeyFunc: idem.Stripe()}, mux)
+	mux.Handle("POST /webhooks/stripe", f.ledgerHandler())
+	mux.Handle("POST /accounts/{account}/stripe", f.ledgerHandler())
+	const event = `{"id":"evt_spelled","type":"payment_intent.succeeded"}`
+
+	first := f.postTo(http.MethodPost, "/webhooks/stripe", event)
+	require.Equal(t, http.StatusCreated, first.status, "%s", first.body)
+	for _, p := range []string{"/webhooks/%73tripe", "/%77ebhooks/stripe", "/webhooks/s%74ripe", "/%77ebhooks/%73%74%72%69%70%65"} {
+		again := f.postTo(http.MethodPost, p, event)
+		assert.Equal(t, first.body, again.body, "%s replays", p)
+		assert.Equal(t, "true", again.header.Get("Idempotent-Replayed"), p)
+	}
+	assert.Equal(t, 1, f.ledgerRows(), "one payment, however the path is spelled")
+
+	one := f.postTo(http.MethodPost, "/accounts/acct_1/stripe", event)
+	two := f.postTo(http.MethodPost, "/accounts/acct_2/stripe", event)
+	require.Equal(t, http.StatusCreated, one.status, "%s", one.body)
+	require.Equal(t, http.StatusCreated, two.status, "%s", two.body)
+	assert.NotEqual(t, one.body, two.body, "each account's endpoint runs the event")
+	again := f.postTo(http.MethodPost, "/accounts/acct_%31/stripe", event)
+	assert.Equal(t, one.body, again.body)
+	assert.Equal(t, 3, f.ledgerRows())
+	assert.Equal(t, 3, f.keys())
 }

@@ -45,4 +45,11 @@ func TestChi(t *testing.T) {
 		assert.Contains(t, string(m.Body), `idem_requests_total{code="400",outcome="rolled_back",source="shopify"} 1`)
 		assert.Contains(t, string(m.Body), `idem_request_duration_seconds_count{outcome="replayed"} 2`)
 	})
+
+	// chi routes on the path as sent: escaped spellings of the fixed route
+	// are not found, and none runs the order again (issue 28, F1).
+	t.Run("a delivery sent under every spelling of its path ships once", func(t *testing.T) {
+		webhooktest.PostSpellings(t, srv.URL, "/webhooks/shopify/orders-create", body, "X-Shopify-Event-Id", "c4d7")
+		assert.Equal(t, 2, webhooktest.Count(t, db, `SELECT count(*) FROM fulfillments`), "one more order: c4d7's")
+	})
 }

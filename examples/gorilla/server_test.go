@@ -48,6 +48,16 @@ func TestGorilla(t *testing.T) {
 		assert.Equal(t, 2, builds())
 	})
 
+	// gorilla/mux routes on the decoded path: /webhooks/%67ithub reaches
+	// the same handler as /webhooks/github (issue 28, F1).
+	t.Run("a delivery sent under every spelling of its path builds once", func(t *testing.T) {
+		before := builds()
+		replays := webhooktest.PostSpellings(t, srv.URL, "/webhooks/github", body,
+			"X-GitHub-Event", "push", "X-GitHub-Delivery", "5f2b9c1e", "X-GitHub-Hook-ID", "42")
+		assert.Equal(t, len(webhooktest.Spellings("/webhooks/github"))-1, replays, "every spelling reaches the route")
+		assert.Equal(t, before+1, builds(), "one build, however the path is spelled")
+	})
+
 	t.Run("routes outside the sub-router are not claimed", func(t *testing.T) {
 		r := webhooktest.Post(t, srv.URL+"/elsewhere", body)
 		assert.Equal(t, http.StatusNotFound, r.Status)

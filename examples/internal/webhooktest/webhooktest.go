@@ -7,8 +7,10 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -67,4 +69,62 @@ func Count(t testing.TB, db *sql.DB, query string, args ...any) int {
 	var n int
 	require.NoError(t, db.QueryRowContext(context.Background(), query, args...).Scan(&n), query)
 	return n
+}
+
+// Spellings returns path and other ways to write it with percent-escapes
+// (lower- and upper-case hex, one character or every one escaped) that a
+// router decoding the path routes to the same handler: an attacker who
+// replays a captured delivery under each must not run it again.
+func Spellings(path string) []string {
+	escape := func(c byte, upper bool) string {
+		if upper {
+			return fmt.Sprintf("%%%02X", c)
+		}
+		return fmt.Sprintf("%%%02x", c)
+	}
+	segs := strings.Split(path, "/")
+	out := []string{path}
+	for i, s := range segs {
+		if s == "" {
+			continue
+		}
+		// The segment's first character escaped, then its last, upper-case.
+		first := append([]string(nil), segs...)
+		first[i] = escape(s[0], false) + s[1:]
+		last := append([]string(nil), segs...)
+		last[i] = s[:len(s)-1] + escape(s[len(s)-1], true)
+		out = append(out, strings.Join(first, "/"), strings.Join(last, "/"))
+	}
+	var all strings.Builder
+	for i := 0; i < len(path); i++ {
+		if path[i] == '/' {
+			all.WriteByte('/')
+		} else {
+			all.WriteString(escape(path[i], i%2 == 0))
+		}
+	}
+	return append(out, all.String())
+}
+
+// PostSpellings posts body, with the header pairs, to every spelling of
+// path on base (see Spellings). The first, path as given, must be answered
+// 2xx; every other one must be its replay, or not found (a router that
+// routes on the path as sent). It returns how many were replays.
+func PostSpellings(t testing.TB, base, path, body string, header ...string) (replays int) {
+	t.Helper()
+	var first Reply
+	for i, p := range Spellings(path) {
+		r := Post(t, base+p, body, header...)
+		switch {
+		case i == 0:
+			require.True(t, r.Status >= 200 && r.Status < 300, "%s: %d %s", p, r.Status, r.Body)
+			first = r
+		case r.Status == http.StatusNotFound:
+			assert.False(t, r.Replayed(), p)
+		default:
+			AssertReplay(t, first, r)
+			replays++
+		}
+	}
+	return replays
 }
