@@ -462,7 +462,7 @@ func (c *benchNoopConn) ExecContext(context.Context, string, []driver.NamedValue
 }
 
 var (
-	benchIdemLookupCols = []string{"got", "payload_digest", "response_status", "response_headers", "response_body", "completed", "leased", "lease_live"}
+	benchIdemLookupCols = []string{"got", "payload_digest", "response_status", "response_headers", "response_body", "completed", "leased", "lease_left"}
 	benchOneCol         = []string{"?column?"}
 	benchIDCol          = []string{"id"}
 	benchLookupCols     = []string{"payload_digest", "response_status", "response_body"}
@@ -479,7 +479,7 @@ func (c *benchNoopConn) QueryContext(_ context.Context, q string, _ []driver.Nam
 		}
 		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{true}}, nil
 	case strings.HasPrefix(q, "SELECT pg_try_advisory_xact_lock"): // the middleware's lookup
-		return &benchNoopRows{cols: benchIdemLookupCols, row: []driver.Value{true, cc.digest, int64(201), benchStoredHeaders, cc.answer, true, false, false}}, nil
+		return &benchNoopRows{cols: benchIdemLookupCols, row: []driver.Value{true, cc.digest, int64(201), benchStoredHeaders, cc.answer, true, false, int64(0)}}, nil
 	case strings.HasPrefix(q, "INSERT INTO ledger"):
 		return &benchNoopRows{cols: benchIDCol, row: []driver.Value{int64(42)}}, nil
 	case strings.HasPrefix(q, "INSERT INTO"): // the inline claim

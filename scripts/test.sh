@@ -28,7 +28,12 @@ waiting() {
     -run 'TestWaitingDuplicatesOfAFailedOriginal|TestTakeoverRunsWithTheOriginalsSettings|TestHotKeyDoesNotStarveOtherEvents' .
 }
 # Every benchmark once (-benchtime 1x), so they cannot rot.
-benchmarks() { go test -run '^$' -bench . -benchtime 1x -count=1 . >/dev/null; }
+# Their results are not shown (the numbers mean nothing at 1x); a failure is.
+benchmarks() {
+  local out
+  out=$(go test -run '^$' -bench . -benchtime 1x -count=1 . 2>&1) || { echo "$out" | grep -v '^Benchmark'; return 1; }
+  echo "$out" | tail -n 1
+}
 examples() { cd examples && go build ./... && go test -race -count=1 ./...; }
 module() { cd "$1" && go test -race -count=1 ./...; }
 providertest() { cd internal/providertest && go vet ./... && go test -race -count=1 ./...; }
