@@ -6,17 +6,19 @@
 // go.mod, and it lives under internal/ because nobody outside this
 // repository should depend on it; it is never tagged.
 //
-// Every subcommand reads a tree: the repository's files as a commit holds
-// them (the script exports HEAD with git archive), so that files that are
-// not committed can neither hide nor cause a problem.
+// zips and proxy read the repository's files as a commit holds them (-rev,
+// default HEAD, exported with git archive, as the go command reads a tagged
+// commit), so that files that are not committed can neither hide nor cause
+// a problem; -tree reads a directory instead.
 //
-//	modcheck zips  -tree DIR
+//	modcheck zips  [-rev HEAD | -tree DIR]
 //	    builds each public module's zip the way the go command does and
 //	    fails, naming the file, on an executable that is not a script, a
 //	    compiled binary (ELF, Mach-O, PE) or a file over 1 MiB.
-//	modcheck proxy -tree DIR -version v0.1.0 -time RFC3339 -out DIR
+//	modcheck proxy [-rev HEAD | -tree DIR] -version v0.1.0 -out DIR
 //	    writes a file-system module proxy (GOPROXY=file://DIR) holding
-//	    every public module at that version: list, .info, .mod and .zip.
+//	    every public module at that version, dated with the commit's time:
+//	    list, .info, .mod and .zip.
 //	modcheck sums  -proxy DIR
 //	    prints the go.sum lines of the modules in that proxy, so that the
 //	    rehearsal can check where its modules came from.
@@ -43,9 +45,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	fs := flag.NewFlagSet("modcheck "+args[0], flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	tree := fs.String("tree", "", "the repository's files, as a commit holds them")
+	rev := fs.String("rev", "HEAD", "the commit whose files to read")
+	tree := fs.String("tree", "", "a directory to read instead of -rev")
 	version := fs.String("version", "v0.1.0", "proxy: the version every public module is published at")
-	when := fs.String("time", "", "proxy: the version's time, RFC 3339 (default: now)")
 	out := fs.String("out", "", "proxy: the directory to write the proxy into")
 	proxy := fs.String("proxy", "", "sums: a proxy written by modcheck proxy")
 	if err := fs.Parse(args[1:]); err != nil {
@@ -54,6 +56,18 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fail := func(err error) int {
 		fmt.Fprintf(stderr, "modcheck %s: %v\n", args[0], err)
 		return 2
+	}
+	when := time.Now().UTC()
+	if (args[0] == "zips" || args[0] == "proxy") && *tree == "" {
+		dir, err := os.MkdirTemp("", "modcheck-tree-")
+		if err != nil {
+			return fail(err)
+		}
+		defer os.RemoveAll(dir)
+		if when, err = exportCommit(*rev, dir); err != nil {
+			return fail(err)
+		}
+		*tree = dir
 	}
 	switch args[0] {
 	case "zips":
@@ -79,18 +93,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	case "proxy":
-		t := time.Now().UTC()
-		if *when != "" {
-			var err error
-			if t, err = time.Parse(time.RFC3339, *when); err != nil {
-				return fail(err)
-			}
-		}
 		mods, err := publicModules(*tree)
 		if err != nil {
 			return fail(err)
 		}
-		if err := writeProxy(*out, *version, t, mods, stderr); err != nil {
+		if err := writeProxy(*out, *version, when, mods, stderr); err != nil {
 			return fail(err)
 		}
 		return 0

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -75,23 +74,14 @@ func TestCheckModuleNamesEachFileThatMustNotShip(t *testing.T) {
 	}
 }
 
-// exportHEAD writes the repository's files at HEAD into a new directory, as
-// scripts/publish-rehearsal.sh does, and returns it.
-func exportHEAD(t *testing.T) string {
-	t.Helper()
-	tree := t.TempDir()
-	cmd := exec.Command("sh", "-c", `git -C ../../.. archive --format=tar HEAD | tar -x -C "$1"`, "sh", tree)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("git archive HEAD: %v\n%s", err, out)
-	}
-	return tree
-}
-
 // The check on this repository's own modules: clean at HEAD, and failing,
 // with the file named, once a binary (this test's own executable) or a big
 // file is planted in a copy.
 func TestZipsOfThisRepository(t *testing.T) {
-	tree := exportHEAD(t)
+	tree := t.TempDir()
+	if _, err := exportCommit("HEAD", tree); err != nil {
+		t.Fatal(err)
+	}
 	var stdout, stderr bytes.Buffer
 	if code := run([]string{"zips", "-tree", tree}, &stdout, &stderr); code != 0 {
 		t.Fatalf("modcheck zips at HEAD: exit %d\n%s%s", code, stdout.String(), stderr.String())

@@ -4,9 +4,11 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"golang.org/x/mod/modfile"
 )
@@ -91,4 +93,27 @@ func requires(goMod []byte, root string) ([]string, error) {
 		}
 	}
 	return reqs, nil
+}
+
+// exportCommit writes the files of the commit rev of the repository that
+// holds the working directory into dir, with their modes, and returns the
+// commit's time.
+func exportCommit(rev, dir string) (time.Time, error) {
+	out, err := exec.Command("git", "log", "-1", "--format=%cI", rev).Output()
+	if err != nil {
+		return time.Time{}, fmt.Errorf("git log %s: %w", rev, err)
+	}
+	when, err := time.Parse(time.RFC3339, strings.TrimSpace(string(out)))
+	if err != nil {
+		return time.Time{}, err
+	}
+	top, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
+	if err != nil {
+		return time.Time{}, fmt.Errorf("git rev-parse --show-toplevel: %w", err)
+	}
+	cmd := exec.Command("sh", "-c", `git -C "$1" archive --format=tar "$2" | tar -x -C "$3"`, "sh", strings.TrimSpace(string(top)), rev, dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return time.Time{}, fmt.Errorf("git archive %s: %w: %s", rev, err, out)
+	}
+	return when, nil
 }

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The publish rehearsal (RELEASING.md): every public module, as the commit
+# REV (default HEAD) would be tagged at IDEM_RELEASE_VERSION (default
+# v0.1.0), installed the way a new user installs it.
+#
+# It writes a file-system module proxy holding the modules, zipped from the
+# committed files only, then, for each module, in a scratch module outside
+# the repository, with an empty module cache and the go command's defaults
+# (no -mod=mod: a missing go.sum entry fails as it does for a user): go get
+# the module at that version, build, vet and run a small program that
+# imports it (internal/tools/modcheck/testdata/rehearsal), go mod tidy, build
+# again. Then go install of the idem command at that version, run.
+#
+# github.com/pgidem modules come from the rehearsal's proxy only: the
+# go.sum lines the scratch modules end with must be that proxy's hashes.
+# Third-party modules come from this machine's module cache (read-only, as a
+# file proxy), else from the usual proxy, and are verified against the
+# checksum database as usual; GONOSUMDB=github.com/pgidem keeps the
+# unpublished versions from being looked up there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+version=${IDEM_RELEASE_VERSION:-v0.1.0}
+rev=${REV:-HEAD}
+start=$SECONDS
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/idem-rehearsal.XXXXXX")
+machine_cache=$(go env GOMODCACHE)
+usual_proxy=$(go env GOPROXY)
+cleanup() {
+  # The module cache is read-only: go clean empties it.
+  GOMODCACHE="$work/modcache" GOFLAGS= go clean -modcache 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+go build -C internal/tools/modcheck -o "$work/modcheck" .
+"$work/modcheck" proxy -rev "$rev" -version "$version" -out "$work/proxy"
+"$work/modcheck" sums -proxy "$work/proxy" | sort >"$work/proxy.sums"
+
+# From here on, the go command as a new user runs it.
+export GOMODCACHE="$work/modcache" GOBIN="$work/bin" GOPATH="$work/gopath"
+export GOPROXY="file://$work/proxy,file://$machine_cache/cache/download,$usual_proxy"
+export GONOSUMDB=github.com/pgidem GOFLAGS= GOWORK=off GOTOOLCHAIN=local
+unset GONOSUMCHECK GONOPROXY GOPRIVATE GOINSECURE
+
+# rehearse NAME PACKAGE...: a scratch module that go gets the packages at
+# the version and runs testdata/rehearsal/NAME.
+rehearse() {
+  local name=$1; shift
+  local dir="$work/try-$name"
+  mkdir -p "$dir"
+  cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
+  (
+    cd "$dir"
+    go mod init "example.com/rehearsal/$name" 2>/dev/null
+    local pkg args=()
+    for pkg in "$@"; do args+=("$pkg@$version"); done
+    go get "${args[@]}" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
+    go build -o "$dir/program" .
+    go vet ./...
+    "$dir/program"
+    go mod tidy
+    go build -o /dev/null .
+    # Every github.com/pgidem line of go.sum is a hash of the proxy's.
+    local stray
+    stray=$(grep '^github.com/pgidem/' go.sum | sort | comm -23 - "$work/proxy.sums")
+    if [ -n "$stray" ]; then
+      echo "rehearsal $name: go.sum has github.com/pgidem modules the rehearsal's proxy did not serve:"
+      echo "$stray"
+      exit 1
+    fi
+  ) || { echo "rehearsal: $name failed: $*@$version"; exit 1; }
+}
+
+rehearse idem github.com/pgidem/idem
+# The idem package imports only the standard library: its module's other
+# requirements (the tests' and idempgx's) were not downloaded for it.
+for m in github.com/stretchr/testify github.com/!d!a!t!a-!d!o!g/go-sqlmock go.uber.org/goleak github.com/jackc/pgx/v5; do
+  if ls "$GOMODCACHE/cache/download/$m/@v/"*.zip >/dev/null 2>&1; then
+    echo "rehearsal idem: a program that imports only idem downloaded $m"
+    exit 1
+  fi
+done
+rehearse idempgx github.com/pgidem/idem/idempgx
+rehearse idemgin github.com/pgidem/idem/idemgin
+rehearse idemprom github.com/pgidem/idem/idemprom
+
+go install "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
+usage=$("$GOBIN/idem" -h)
+grep -q '^Usage: idem <command>' <<<"$usage" || { echo "rehearsal: idem -h did not print its usage:"; echo "$usage"; exit 1; }
+
+echo "rehearsal: every public module installs at $version from $rev ($(git -C "$repo" rev-parse --short "$rev")) in $((SECONDS - start)) s"
