@@ -44,49 +44,56 @@ export GOPROXY="file://$work/proxy,file://$machine_cache/cache/download,$usual_p
 export GONOSUMDB=github.com/pgidem GOFLAGS= GOWORK=off GOTOOLCHAIN=local
 unset GONOSUMCHECK GONOPROXY GOPRIVATE GOINSECURE
 
-# rehearse NAME PACKAGE...: a scratch module that go gets the packages at
-# the version and runs testdata/rehearsal/NAME.
-rehearse() {
-  local name=$1; shift
-  local dir="$work/try-$name"
-  mkdir -p "$dir"
-  cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
-  (
-    cd "$dir"
-    go mod init "example.com/rehearsal/$name" 2>/dev/null
-    local pkg args=()
-    for pkg in "$@"; do args+=("$pkg@$version"); done
-    go get "${args[@]}" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
-    go build -o "$dir/program" .
-    go vet ./...
-    "$dir/program"
-    go mod tidy
-    go build -o /dev/null .
-    # Every github.com/pgidem line of go.sum is a hash of the proxy's.
-    local stray
-    stray=$(grep '^github.com/pgidem/' go.sum | sort | comm -23 - "$work/proxy.sums")
-    if [ -n "$stray" ]; then
-      echo "rehearsal $name: go.sum has github.com/pgidem modules the rehearsal's proxy did not serve:"
-      echo "$stray"
+# The idem package imports only the standard library: a program that
+# imports only it builds without the code of its module's other
+# requirements (the tests' and idempgx's). (go mod tidy then downloads them,
+# to record the checksums of what the tests of the packages it imports
+# need.)
+nothing_else_downloaded() {
+  local m
+  for m in github.com/stretchr/testify github.com/!d!a!t!a-!d!o!g/go-sqlmock go.uber.org/goleak github.com/jackc/pgx/v5; do
+    if ls "$GOMODCACHE/cache/download/$m/@v/"*.zip >/dev/null 2>&1; then
+      echo "rehearsal idem: building a program that imports only idem downloaded $m"
       exit 1
     fi
-  ) || { echo "rehearsal: $name failed: $*@$version"; exit 1; }
+  done
+}
+
+# rehearse NAME PACKAGE...: a scratch module that go gets the packages at
+# the version, as the README's install lines do, and builds, vets and runs
+# testdata/rehearsal/NAME with it. (Not in a subshell: set -e must hold.)
+rehearse() {
+  local name=$1; shift
+  local dir="$work/try-$name" pkg args=() stray
+  echo "-- $name: go get $*"
+  mkdir -p "$dir"
+  cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
+  cd "$dir"
+  go mod init "example.com/rehearsal/$name" 2>/dev/null
+  for pkg in "$@"; do args+=("$pkg@$version"); done
+  go get "${args[@]}" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
+  go build -trimpath -o "$dir/program" .
+  go vet -trimpath ./...
+  "$dir/program"
+  [ "$name" != idem ] || nothing_else_downloaded
+  go mod tidy
+  go build -trimpath -o /dev/null .
+  # Every github.com/pgidem line of go.sum is a hash of the proxy's.
+  stray=$(grep '^github.com/pgidem/' go.sum | sort | comm -23 - "$work/proxy.sums")
+  if [ -n "$stray" ]; then
+    echo "rehearsal $name: go.sum has github.com/pgidem modules the rehearsal's proxy did not serve:"
+    echo "$stray"
+    exit 1
+  fi
+  cd "$repo"
 }
 
 rehearse idem github.com/pgidem/idem
-# The idem package imports only the standard library: its module's other
-# requirements (the tests' and idempgx's) were not downloaded for it.
-for m in github.com/stretchr/testify github.com/!d!a!t!a-!d!o!g/go-sqlmock go.uber.org/goleak github.com/jackc/pgx/v5; do
-  if ls "$GOMODCACHE/cache/download/$m/@v/"*.zip >/dev/null 2>&1; then
-    echo "rehearsal idem: a program that imports only idem downloaded $m"
-    exit 1
-  fi
-done
-rehearse idempgx github.com/pgidem/idem/idempgx
-rehearse idemgin github.com/pgidem/idem/idemgin
-rehearse idemprom github.com/pgidem/idem/idemprom
-
-go install "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
+rehearse idempgx github.com/pgidem/idem github.com/pgidem/idem/idempgx
+rehearse idemgin github.com/pgidem/idem github.com/pgidem/idem/idemgin
+rehearse idemprom github.com/pgidem/idem github.com/pgidem/idem/idemprom
+echo "-- go install github.com/pgidem/idem/cmd/idem@$version"
+go install -trimpath "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
 usage=$("$GOBIN/idem" -h)
 grep -q '^Usage: idem <command>' <<<"$usage" || { echo "rehearsal: idem -h did not print its usage:"; echo "$usage"; exit 1; }
 
