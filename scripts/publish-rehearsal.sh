@@ -59,12 +59,25 @@ nothing_else_downloaded() {
   done
 }
 
+# from_the_proxy_only NAME: every github.com/pgidem line of the go.sum in
+# the working directory is a hash of the rehearsal's proxy, so no other
+# source served a pgidem module.
+from_the_proxy_only() {
+  local stray
+  stray=$(grep '^github.com/pgidem/' go.sum | sort | comm -23 - "$work/proxy.sums")
+  if [ -n "$stray" ]; then
+    echo "rehearsal $1: go.sum has github.com/pgidem modules the rehearsal's proxy did not serve:"
+    echo "$stray"
+    exit 1
+  fi
+}
+
 # rehearse NAME PACKAGE...: a scratch module that go gets the packages at
 # the version, as the README's install lines do, and builds, vets and runs
 # testdata/rehearsal/NAME with it. (Not in a subshell: set -e must hold.)
 rehearse() {
   local name=$1; shift
-  local dir="$work/try-$name" pkg args=() stray
+  local dir="$work/try-$name" pkg args=()
   echo "-- $name: go get $*"
   mkdir -p "$dir"
   cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
@@ -78,13 +91,31 @@ rehearse() {
   [ "$name" != idem ] || nothing_else_downloaded
   go mod tidy
   go build -trimpath -o /dev/null .
-  # Every github.com/pgidem line of go.sum is a hash of the proxy's.
-  stray=$(grep '^github.com/pgidem/' go.sum | sort | comm -23 - "$work/proxy.sums")
-  if [ -n "$stray" ]; then
-    echo "rehearsal $name: go.sum has github.com/pgidem modules the rehearsal's proxy did not serve:"
-    echo "$stray"
+  from_the_proxy_only "$name"
+  cd "$repo"
+}
+
+# rehearse_alone NAME MODULE: a scratch module that go gets only the
+# adapter MODULE and lets go mod tidy find the rest: the root module it
+# imports must come at the version MODULE requires, and that version must
+# exist.
+rehearse_alone() {
+  local name=$1 module=$2
+  local dir="$work/alone-$name" got
+  echo "-- $name alone: go get $module, go mod tidy"
+  mkdir -p "$dir"
+  cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
+  cd "$dir"
+  go mod init "example.com/rehearsal/$name-alone" 2>/dev/null
+  go get "$module@$version" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
+  go mod tidy
+  go build -trimpath -o /dev/null .
+  got=$(go list -m -f '{{.Version}}' github.com/pgidem/idem)
+  if [ "$got" != "$version" ]; then
+    echo "rehearsal $name alone: got github.com/pgidem/idem $got, want $version"
     exit 1
   fi
+  from_the_proxy_only "$name alone"
   cd "$repo"
 }
 
@@ -92,6 +123,8 @@ rehearse idem github.com/pgidem/idem
 rehearse idempgx github.com/pgidem/idem github.com/pgidem/idem/idempgx
 rehearse idemgin github.com/pgidem/idem github.com/pgidem/idem/idemgin
 rehearse idemprom github.com/pgidem/idem github.com/pgidem/idem/idemprom
+rehearse_alone idemgin github.com/pgidem/idem/idemgin
+rehearse_alone idemprom github.com/pgidem/idem/idemprom
 echo "-- go install github.com/pgidem/idem/cmd/idem@$version"
 go install -trimpath "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
 usage=$("$GOBIN/idem" -h)
