@@ -38,6 +38,19 @@ if [ -f idemgin/go.mod ]; then
   (cd idemgin && go test -race -count=1 ./...)
 fi
 
+if [ -f idemprom/go.mod ]; then
+  echo "== idemprom module (Prometheus adapter): go test -race"
+  (cd idemprom && go test -race -count=1 ./...)
+fi
+
+# Releases (RELEASING.md): what each public module's zip would hold, from
+# the committed files, and the publish rehearsal.
+echo "== module zips: only source (no binary, no non-script executable, no file over 1 MiB)"
+(cd internal/tools/modcheck && go test -count=1 ./... && go run . zips)
+
+echo "== publish rehearsal: every public module installed as a new user would, as if HEAD were tagged"
+bash scripts/publish-rehearsal.sh
+
 if [ -f bench/go.mod ]; then
   echo "== bench module: build, test, and a short load run"
   (cd bench && go build ./... && go test -count=1 ./...)
