@@ -4,12 +4,20 @@
 # v0.1.0), installed the way a new user installs it.
 #
 # It writes a file-system module proxy holding the modules, zipped from the
-# committed files only, then, for each module, in a scratch module outside
-# the repository, with an empty module cache and the go command's defaults
-# (no -mod=mod: a missing go.sum entry fails as it does for a user): go get
-# the module at that version, build, vet and run a small program that
-# imports it (internal/tools/modcheck/testdata/rehearsal), go mod tidy, build
-# again. Then go install of the idem command at that version, run.
+# committed files only, then works in scratch modules outside the
+# repository, with an empty module cache and the go command's defaults
+# (GOFLAGS empty, so no -mod=mod: a missing go.sum entry fails as it does
+# for a user):
+#   - for each module, go get it at that version (with the root module, as
+#     the README's install lines do), then build, vet and run a small
+#     program that imports it (internal/tools/modcheck/testdata/rehearsal),
+#     go mod tidy, build again;
+#   - for each adapter module, go get it alone and go mod tidy: the root
+#     version it requires must exist and be the one rehearsed;
+#   - go install of the idem command at that version, run.
+# Builds use -trimpath only so that compiled packages are reused from one
+# run to the next (the module cache's path changes every run); it changes
+# nothing in how modules are resolved.
 #
 # github.com/pgidem modules come from the rehearsal's proxy only: the
 # go.sum lines the scratch modules end with must be that proxy's hashes.
