@@ -104,25 +104,28 @@ rehearse() {
 }
 
 # rehearse_alone NAME MODULE: a scratch module that go gets only the
-# adapter MODULE and lets go mod tidy find the rest: the root module it
-# imports must come at the version MODULE requires, and that version must
-# exist.
+# adapter MODULE, with the README's line (@latest: the rehearsal's proxy
+# lists the version alone), and lets go mod tidy find the rest: the root
+# module it imports must come at the version MODULE requires, and that
+# version must exist.
 rehearse_alone() {
   local name=$1 module=$2
-  local dir="$work/alone-$name" got
-  echo "-- $name alone: go get $module, go mod tidy"
+  local dir="$work/alone-$name" got m
+  echo "-- $name alone: go get $module@latest, go mod tidy"
   mkdir -p "$dir"
   cp "$repo/internal/tools/modcheck/testdata/rehearsal/$name/main.go" "$repo/internal/tools/modcheck/testdata/rehearsal/shared.go" "$dir/"
   cd "$dir"
   go mod init "example.com/rehearsal/$name-alone" 2>/dev/null
-  go get "$module@$version" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
+  go get "$module@latest" 2>&1 | { grep -v '^go: \(downloading\|added\|upgraded\|finding\|found\)' || true; }
   go mod tidy
   go build -trimpath -o /dev/null .
-  got=$(go list -m -f '{{.Version}}' github.com/pgidem/idem)
-  if [ "$got" != "$version" ]; then
-    echo "rehearsal $name alone: got github.com/pgidem/idem $got, want $version"
-    exit 1
-  fi
+  for m in "$module" github.com/pgidem/idem; do
+    got=$(go list -m -f '{{.Version}}' "$m")
+    if [ "$got" != "$version" ]; then
+      echo "rehearsal $name alone: got $m $got, want $version"
+      exit 1
+    fi
+  done
   from_the_proxy_only "$name alone"
   cd "$repo"
 }
