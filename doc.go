@@ -11,6 +11,18 @@
 // package github.com/pgidem/idem/idempgx builds the same middleware on the
 // same table, and sends fewer round trips.
 //
+// Two adapters are modules of their own, so that gin and the Prometheus
+// client stay off this module's requirements: github.com/pgidem/idem/idemgin
+// mounts the middleware in a gin router so that clients get exactly the
+// answers idem committed, and github.com/pgidem/idem/idemprom turns
+// Options.Observer into Prometheus metrics.
+//
+//	go get github.com/pgidem/idem@latest
+//	go get github.com/pgidem/idem/idemgin@latest
+//	go get github.com/pgidem/idem/idemprom@latest
+//
+// This package imports only the standard library; idempgx imports pgx.
+//
 // For each request with a covered method (POST, PUT, PATCH, DELETE by
 // default) the middleware reads the body (bounded by Options.MaxBodyBytes),
 // extracts a Key with the KeyFunc (the presets scope it by endpoint: the

@@ -8,7 +8,7 @@ require (
 	github.com/gofiber/fiber/v3 v3.1.0
 	github.com/gofiber/storage/redis/v3 v3.4.3
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgidem/idem v0.0.0-00010101000000-000000000000
+	github.com/pgidem/idem v0.1.0
 	github.com/redis/go-redis/v9 v9.17.3
 )
 

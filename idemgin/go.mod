@@ -5,7 +5,7 @@ go 1.25.0
 require (
 	github.com/gin-gonic/gin v1.12.0
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgidem/idem v0.0.0-00010101000000-000000000000
+	github.com/pgidem/idem v0.1.0
 	github.com/stretchr/testify v1.12.1
 )
 

@@ -20,7 +20,6 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgin"
 	"github.com/pgidem/idem/idempgx"
-	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -34,7 +33,7 @@ var (
 
 func TestMain(m *testing.M) {
 	gin.SetMode(gin.ReleaseMode)
-	u, name, err := testdb.Create("idemgin_test")
+	u, drop, err := createDatabase("idemgin_test")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "idemgin tests: PostgreSQL is required:", err)
 		os.Exit(1)
@@ -48,7 +47,7 @@ func TestMain(m *testing.M) {
 	db.SetMaxOpenConns(20)
 	code := m.Run()
 	db.Close()
-	if err := testdb.Drop(name); err != nil {
+	if err := drop(); err != nil {
 		fmt.Fprintln(os.Stderr, "idemgin tests: drop database:", err)
 	}
 	os.Exit(code)

@@ -37,6 +37,7 @@ benchmarks() {
 examples() { cd examples && go build ./... && go test -race -count=1 ./...; }
 module() { cd "$1" && go test -race -count=1 ./...; }
 providertest() { cd internal/providertest && go vet ./... && go test -race -count=1 ./...; }
+zips() { cd internal/tools/modcheck && go test -count=1 ./... && go run . zips; }
 bench_module() {
   cd bench && go build ./... && go test -count=1 ./...
   cd .. && bash scripts/bench-smoke.sh
@@ -52,13 +53,17 @@ together "waiting duplicates, 3 times, database/sql adapter" waiting sql \
 
 modules=()
 [ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
-for m in idemgin; do
+for m in idemgin idemprom; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
 # The verifying presets against the providers' own signing libraries
 # (stripe-go, the Standard Webhooks library): a test-only module.
 [ -f internal/providertest/go.mod ] && modules+=("providertest module: go vet + go test -race" providertest --)
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
+# Releases (RELEASING.md): what each public module's zip would hold, from
+# the committed files, and the publish rehearsal.
+modules+=("module zips: only source (no binary, no non-script executable, no file over 1 MiB)" zips --)
+modules+=("publish rehearsal: every public module installed as a new user would, as if HEAD were tagged" bash scripts/publish-rehearsal.sh --)
 together "${modules[@]}"
 
 # Time-bounded fuzzing of every parser of untrusted input.

@@ -11,7 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pgidem/idem"
-	idemprom "github.com/pgidem/idem/examples/prometheus"
+	"github.com/pgidem/idem/idemprom"
 )
 
 // newServer serves GET /metrics from reg, and POST

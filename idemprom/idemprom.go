@@ -1,8 +1,8 @@
 // Package idemprom exports what github.com/pgidem/idem's middleware does as
-// Prometheus metrics. Its import path ends in /prometheus; its name is
-// idemprom, so it does not shadow the Prometheus client:
+// Prometheus metrics. It is a module of its own, so that the Prometheus
+// client stays off the library's go.mod:
 //
-//	import idemprom "github.com/pgidem/idem/examples/prometheus"
+//	go get github.com/pgidem/idem/idemprom@latest
 //
 //	metrics, err := idemprom.New(prometheus.DefaultRegisterer, idemprom.Options{})
 //	if err != nil { ... }
@@ -13,8 +13,9 @@
 //   - idem_requests_total{source,outcome,code}: a counter of the requests the
 //     middleware handled, by the key's source (empty when the request was
 //     rejected before its key was known), the outcome (completed, replayed,
-//     in_flight, mismatch, rolled_back, rejected, store_error, conflict) and the HTTP
-//     status sent ("0" when the handler panicked and nothing was sent).
+//     in_flight, mismatch, rolled_back, rejected, store_error, conflict,
+//     fenced: idem.Outcome's String) and the HTTP status sent ("0" when the
+//     handler panicked and nothing was sent).
 //   - idem_request_duration_seconds{outcome}: a histogram of the time from the
 //     middleware's start to its answer.
 //   - idem_lock_wait_seconds{outcome}: a histogram of the time duplicates

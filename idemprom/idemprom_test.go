@@ -15,14 +15,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/examples/internal/testdb"
-	"github.com/pgidem/idem/examples/internal/webhooktest"
-	idemprom "github.com/pgidem/idem/examples/prometheus"
+	"github.com/pgidem/idem/idemprom"
 )
 
 func TestMetricsCountRealRequests(t *testing.T) {
 	t.Parallel()
-	db := testdb.Open(t)
+	db := openDatabase(t)
 	ctx := context.Background()
 	require.NoError(t, idem.Migrate(ctx, db, ""))
 	_, err := db.ExecContext(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id text NOT NULL)`)
@@ -63,22 +61,22 @@ func TestMetricsCountRealRequests(t *testing.T) {
 		fmt.Fprintf(w, "ledger row %d\n", id)
 	})))
 	t.Cleanup(srv.Close)
-	post := func(id, body string, header ...string) webhooktest.Reply {
+	post := func(id, body string, header ...string) reply {
 		if id != "" {
 			header = append(header, "X-Event-Id", id)
 		}
-		return webhooktest.Post(t, srv.URL, body, header...)
+		return postTo(t, srv.URL, body, header...)
 	}
 
 	first := post("evt_1", `{"n":1}`)
 	require.Equal(t, http.StatusCreated, first.Status)
-	webhooktest.AssertReplay(t, first, post("evt_1", `{"n":1}`))
-	webhooktest.AssertReplay(t, first, post("evt_1", `{"n":1}`))
+	assertReplay(t, first, post("evt_1", `{"n":1}`))
+	assertReplay(t, first, post("evt_1", `{"n":1}`))
 	assert.Equal(t, http.StatusUnprocessableEntity, post("evt_1", `{"n":2}`).Status)
 	assert.Equal(t, http.StatusBadRequest, post("", `{}`).Status)
 	assert.Equal(t, http.StatusInternalServerError, post("evt_2", `{}`, "X-Fail", "1").Status)
 
-	slow := make(chan webhooktest.Reply)
+	slow := make(chan reply)
 	go func() { slow <- post("evt_slow", `{}`) }()
 	<-entered
 	// The original holds the key until released: the duplicate waits its
