@@ -166,65 +166,24 @@ func endpointKey(r *http.Request, name, id string) (Key, error) {
 // endpointPath spells u's path one way for all the spellings a router
 // routes alike, so that /webhooks/%73tripe is the endpoint /webhooks/stripe:
 // http.ServeMux and gorilla/mux route on the decoded path, chi on the path
-// as sent. As RFC 3986 §6.2.2 says, escaped unreserved characters are
-// decoded and the escapes that stay get upper-case hex digits; and since
-// those routers decode every escape, so is any character that may stand
-// unescaped in a path (sub-delimiters, ":", "@", brackets: /a%21b is
-// /a!b). An escaped slash (%2F) stays escaped, as routers tell /a%2Fb from
-// /a/b (and a trailing slash stays, for the same reason).
+// as sent. The path is decoded, as RFC 3986 §6.2.2 decodes escaped
+// unreserved characters, and as those routers decode every escape; it is
+// spelled as sent when every byte may stand unescaped in a path (letters,
+// digits, -._~!$&'()*+,;=:@[] and slashes: /a%21b is /a!b), else escaped by
+// net/url (upper-case hex digits). An escaped slash is decoded too:
+// gorilla/mux routes /webhooks%2Fstripe to /webhooks/stripe, so it must be
+// that endpoint; where a router tells /a%2Fb from /a/b, the two share a
+// scope, which can turn a delivery's run into a replay, never the reverse.
+// A trailing slash stays (routers redirect it or route it elsewhere).
 //
 // A path without escapes keeps the spelling the presets always gave it
-// (u.EscapedPath()): the path as sent when net/url accepts it as escaped
-// (letters, digits, -._~!$&'()*+,;=:@[] and slashes), else the path
-// escaped by net/url. A path with escapes is spelled as that same path
-// without them would be.
+// (u.EscapedPath(), which for such a path is u.Path or, where net/url
+// refuses it as sent, its escaping).
 func endpointPath(u *url.URL) string {
-	raw := u.RawPath
-	if raw == "" || !strings.Contains(raw, "%") {
-		return u.EscapedPath()
+	if asSent(u.Path) {
+		return u.Path
 	}
-	if p, err := url.PathUnescape(raw); err != nil || p != u.Path {
-		return u.EscapedPath() // RawPath is stale: net/url ignores it too
-	}
-	// The segments between escaped slashes, decoded.
-	var pieces []string
-	plain := true // every decoded byte may stand as it is
-	for rest := raw; ; {
-		i := indexEscapedSlash(rest)
-		piece := rest
-		if i >= 0 {
-			piece = rest[:i]
-		}
-		piece, _ = url.PathUnescape(piece) // a whole escape never straddles a cut
-		plain = plain && asSent(piece)
-		pieces = append(pieces, piece)
-		if i < 0 {
-			break
-		}
-		rest = rest[i+3:]
-	}
-	var b strings.Builder
-	for i, piece := range pieces {
-		if i > 0 {
-			b.WriteString("%2F")
-		}
-		if plain {
-			b.WriteString(piece)
-		} else {
-			b.WriteString((&url.URL{Path: piece}).EscapedPath())
-		}
-	}
-	return b.String()
-}
-
-// indexEscapedSlash returns the index of the first %2F (or %2f) in s, or -1.
-func indexEscapedSlash(s string) int {
-	for i := 0; i+2 < len(s); i++ {
-		if s[i] == '%' && s[i+1] == '2' && (s[i+2] == 'F' || s[i+2] == 'f') {
-			return i
-		}
-	}
-	return -1
+	return (&url.URL{Path: u.Path}).EscapedPath()
 }
 
 // asSent reports whether net/url leaves a path made of s's bytes as it is

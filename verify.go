@@ -46,6 +46,11 @@ func withSignature(v verifier, f KeyFunc) KeyFunc {
 // built rather than by answering every delivery 401: an unset environment
 // variable must not turn verification off.
 func macKeys(fn string, secrets []string, decode func(string) ([]byte, error)) [][]byte {
+	if secrets != nil && len(secrets) == 0 {
+		// Stripe(strings.Fields(os.Getenv("UNSET"))...): an empty list,
+		// not the call without secrets.
+		panic(fmt.Sprintf("idem: %s: the list of signing secrets is empty", fn))
+	}
 	var keys [][]byte
 	for i, s := range secrets {
 		if s == "" {
@@ -122,6 +127,15 @@ func checkTime(name, ts string, now time.Time, tolerance time.Duration) error {
 	return nil
 }
 
+// maxSignatures is the most signatures a header may carry: a sender signs
+// with one secret, two or three while it rotates them. More are refused
+// before any is checked, so a header of thousands costs one pass over it.
+const maxSignatures = 8
+
+func tooManySignatures(name string) error {
+	return fmt.Errorf("%w: header %s has more than %d signatures", ErrSignature, name, maxSignatures)
+}
+
 // stripeSignature verifies Stripe-Signature: t=<unix>,v1=<hex>[,v1=<hex>...]
 // over "<t>." and the body, with the endpoint secrets used as given.
 func stripeSignature(secrets []string, now func() time.Time) verifier {
@@ -130,7 +144,9 @@ func stripeSignature(secrets []string, now func() time.Time) verifier {
 	return headerSignature(keys, name, func(h string, body []byte) error {
 		var ts string
 		var sigs [][]byte
-		for _, item := range strings.Split(h, ",") {
+		for rest := h; rest != ""; {
+			var item string
+			item, rest, _ = strings.Cut(rest, ",")
 			k, v, _ := strings.Cut(strings.TrimSpace(item), "=")
 			switch k {
 			case "t":
@@ -139,6 +155,9 @@ func stripeSignature(secrets []string, now func() time.Time) verifier {
 				}
 				ts = v
 			case "v1":
+				if len(sigs) == maxSignatures {
+					return tooManySignatures(name)
+				}
 				if s, err := hex.DecodeString(v); err == nil {
 					sigs = append(sigs, s)
 				}
@@ -222,8 +241,13 @@ func standardWebhooksSignature(secrets []string, now func() time.Time) verifier 
 			return err
 		}
 		var sigs [][]byte
-		for _, item := range strings.Fields(h) {
+		for rest := strings.TrimSpace(h); rest != ""; rest = strings.TrimLeft(rest, " ") {
+			var item string
+			item, rest, _ = strings.Cut(rest, " ")
 			if v, ok := strings.CutPrefix(item, "v1,"); ok {
+				if len(sigs) == maxSignatures {
+					return tooManySignatures(name)
+				}
 				if s, err := base64.StdEncoding.DecodeString(v); err == nil {
 					sigs = append(sigs, s)
 				}

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -333,4 +334,45 @@ func TestWithSourceKeepsVerification(t *testing.T) {
 	assert.Equal(t, "github", k.Source)
 	_, err = deliver(kf, signatureHeaders(v, v.signature), append(bytes.Clone(v.body), ' '))
 	assert.ErrorIs(t, err, ErrSignature)
+}
+
+// A header of many signatures is refused after the eighth, in one pass over
+// it: a 1 MiB Stripe-Signature of commas or v1 items, or a webhook-signature
+// of a hundred thousand items, allocates a few KiB, not memory per item.
+func TestHeadersOfManySignaturesAreRefusedCheaply(t *testing.T) {
+	all := loadVectors(t)
+	st, sw := all["stripe"][0], all["standard"][0]
+	ts := strconv.FormatInt(st.ts.Unix(), 10)
+	mac := st.signature[strings.Index(st.signature, "v1=")+3:]
+	nine := "t=" + ts + strings.Repeat(",v1=00", 8) + ",v1=" + mac
+	_, err := deliver(signedPreset("stripe", st.ts, st.secret), signatureHeaders(st, nine), st.body)
+	assert.ErrorContains(t, err, "more than 8 signatures")
+	for name, tc := range map[string]struct {
+		v      vector
+		header string
+	}{
+		"Stripe-Signature of commas":      {st, "t=" + ts + strings.Repeat(",", 1<<20) + "v1=00"},
+		"Stripe-Signature of v1 items":    {st, "t=" + ts + strings.Repeat(",v1=", 1<<18)},
+		"webhook-signature of many items": {sw, strings.Repeat("v1,AAAA ", 1<<17)},
+	} {
+		kf := signedPreset(map[bool]string{true: "stripe", false: "standard"}[tc.v.provider == "stripe"], tc.v.ts, tc.v.secret)
+		h := signatureHeaders(tc.v, tc.header)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err := deliver(kf, h, tc.v.body)
+		runtime.ReadMemStats(&after)
+		assert.ErrorIs(t, err, ErrSignature, name)
+		assert.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(64<<10), "%s: bytes allocated", name)
+	}
+}
+
+// An empty list of secrets, as strings.Fields gives for an unset variable,
+// is not the call without secrets: it panics rather than verify nothing.
+func TestAnEmptyListOfSecretsPanics(t *testing.T) {
+	unset := strings.Fields("")
+	assert.PanicsWithValue(t, "idem: Stripe: the list of signing secrets is empty", func() { Stripe(unset...) })
+	assert.Panics(t, func() { GitHub(unset...) })
+	assert.Panics(t, func() { Shopify(unset...) })
+	assert.Panics(t, func() { StandardWebhooks("billing", unset...) })
+	assert.NotPanics(t, func() { Stripe() }, "no secrets: the unverified preset")
 }

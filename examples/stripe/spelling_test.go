@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -32,6 +33,12 @@ func TestStripeCapturedDeliveryUnderEverySpellingPaysOnce(t *testing.T) {
 	paths := webhooktest.Spellings("/webhooks/stripe")
 	replays := webhooktest.PostSpellings(t, srv.URL, "/webhooks/stripe", body,
 		"Content-Type", "application/json", "Stripe-Signature", signature)
-	assert.Equal(t, len(paths)-1, replays, "every spelling reaches the handler's route, and the signature verifies")
+	routed := 0 // http.ServeMux does not route an escaped slash to /webhooks/stripe
+	for _, p := range paths[1:] {
+		if !strings.Contains(strings.ToUpper(p), "%2F") {
+			routed++
+		}
+	}
+	assert.Equal(t, routed, replays, "every spelling ServeMux routes reaches the handler, and the signature verifies")
 	assert.Equal(t, 1, webhooktest.Count(t, db, `SELECT count(*) FROM stripe_payments`), "one payment")
 }

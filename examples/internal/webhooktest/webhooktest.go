@@ -72,9 +72,10 @@ func Count(t testing.TB, db *sql.DB, query string, args ...any) int {
 }
 
 // Spellings returns path and other ways to write it with percent-escapes
-// (lower- and upper-case hex, one character or every one escaped) that a
-// router decoding the path routes to the same handler: an attacker who
-// replays a captured delivery under each must not run it again.
+// (lower- and upper-case hex, one character or every one escaped, the
+// slashes escaped) that a router decoding the path routes to the same
+// handler: an attacker who replays a captured delivery under each must not
+// run it again.
 func Spellings(path string) []string {
 	escape := func(c byte, upper bool) string {
 		if upper {
@@ -95,15 +96,22 @@ func Spellings(path string) []string {
 		last[i] = s[:len(s)-1] + escape(s[len(s)-1], true)
 		out = append(out, strings.Join(first, "/"), strings.Join(last, "/"))
 	}
-	var all strings.Builder
+	var all, slashes strings.Builder
 	for i := 0; i < len(path); i++ {
 		if path[i] == '/' {
 			all.WriteByte('/')
 		} else {
 			all.WriteString(escape(path[i], i%2 == 0))
 		}
+		// Every slash but the first escaped: gorilla/mux decodes %2F
+		// before it routes.
+		if path[i] == '/' && i > 0 {
+			slashes.WriteString(escape('/', i%2 == 0))
+		} else {
+			slashes.WriteByte(path[i])
+		}
 	}
-	return append(out, all.String())
+	return append(out, all.String(), slashes.String())
 }
 
 // PostSpellings posts body, with the header pairs, to every spelling of
