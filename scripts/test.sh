@@ -46,12 +46,11 @@ bench_module() {
 together "root module, database/sql adapter: go test -race ./..." root_sql \
   -- "root module, pgx adapter (IDEM_ADAPTER=pgx)" root_pgx
 together "partitioned tables, database/sql adapter" partitioned sql \
-  -- "partitioned tables, pgx adapter" partitioned pgx
-together "waiting duplicates, 3 times, database/sql adapter" waiting sql \
-  -- "waiting duplicates, 3 times, pgx adapter" waiting pgx \
-  -- "every benchmark once" benchmarks
+  -- "partitioned tables, pgx adapter" partitioned pgx \
+  -- "waiting duplicates, 3 times, database/sql adapter" waiting sql \
+  -- "waiting duplicates, 3 times, pgx adapter" waiting pgx
 
-modules=()
+modules=("every benchmark once" benchmarks --)
 [ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
 for m in idemgin idemprom; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
