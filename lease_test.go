@@ -505,19 +505,21 @@ func TestACommitOutlivingItsRequestStoresItsOwnAnswer(t *testing.T) {
 				CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON ` + f.ledger + ` DEFERRABLE INITIALLY DEFERRED
 				FOR EACH ROW WHEN (NEW.event_id = 'evt_slow') EXECUTE FUNCTION slow_` + f.ledger + `()`)
 			require.NoError(t, err)
+			// A transaction's lock, not a session's: behind PgBouncer a
+			// session lock stays on a server connection that the request's
+			// transaction may then get, and a session takes its own lock again.
 			ctx := context.Background()
-			gate, err := f.db.Conn(ctx)
+			gate, err := f.db.BeginTx(ctx, nil)
 			require.NoError(t, err)
-			defer gate.Close()
-			_, err = gate.ExecContext(ctx, `SELECT pg_advisory_lock(hashtext($1))`, f.ledger)
+			defer gate.Rollback()
+			_, err = gate.ExecContext(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, f.ledger)
 			require.NoError(t, err)
 			first := f.post("evt_slow", "{}")
 			assert.Equal(t, http.StatusServiceUnavailable, first.status, "%s", first.body)
 			for i := range 20 { // their bodies and answers go through pooled buffers
 				f.post(fmt.Sprintf("evt_%d", i), strings.Repeat("B", 4096))
 			}
-			_, err = gate.ExecContext(ctx, `SELECT pg_advisory_unlock(hashtext($1))`, f.ledger)
-			require.NoError(t, err)
+			require.NoError(t, gate.Commit())
 			var stored []byte
 			deadline := time.Now().Add(10 * time.Second)
 			for f.db.QueryRow(`SELECT response_body FROM "`+f.table+`" WHERE event_id = 'evt_slow' AND completed_at IS NOT NULL`).Scan(&stored) != nil {

@@ -63,10 +63,9 @@ done
 # the committed files, and the publish rehearsal.
 modules+=("module zips: only source (no binary, no non-script executable, no file over 1 MiB)" zips --)
 modules+=("publish rehearsal: every public module installed as a new user would, as if HEAD were tagged" bash scripts/publish-rehearsal.sh --)
-together "${modules[@]}"
-
 # Time-bounded fuzzing of every parser of untrusted input.
-step "fuzzing" bash scripts/fuzz.sh
+modules+=("fuzzing" bash scripts/fuzz.sh --)
+together "${modules[@]}"
 
 # The integration suite again, through PgBouncer in transaction mode.
 step "PgBouncer passes" bash scripts/test-pgbouncer.sh
