@@ -26,6 +26,7 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 	}
 	exported, fields := exportedAPI(t, ".")
 	pgxExported, _ := exportedAPI(t, "idempgx")
+	opsExported, _ := exportedAPI(t, "idemops")
 	pages, _ := filepath.Glob("docs/*.md")
 	for _, page := range append(pages, "README.md") {
 		text, err := os.ReadFile(page)
@@ -35,6 +36,11 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 		for _, m := range regexp.MustCompile(`\bidempgx\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
 			if !pgxExported[m[1]] {
 				t.Errorf("%s mentions idempgx.%s, which package idempgx does not export", page, m[1])
+			}
+		}
+		for _, m := range regexp.MustCompile(`\bidemops\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
+			if !opsExported[m[1]] {
+				t.Errorf("%s mentions idemops.%s, which package idemops does not export", page, m[1])
 			}
 		}
 		for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
@@ -297,6 +303,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/idempgx"
 )
 
@@ -312,6 +319,7 @@ var (
 	_ = stdlib.OpenDBFromPool
 	_ = idem.New
 	_ = idempgx.New
+	_ = idemops.Check
 )
 
 // What the snippets take from their surroundings.
