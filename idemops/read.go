@@ -28,7 +28,7 @@ func readOnly(ctx context.Context, db *sql.DB, f func(*sql.Tx) error) error {
 }
 
 // errNoTable is returned when the table does not exist.
-var errNoTable = errors.New("the table does not exist (run Migrate, or idem migrate)")
+var errNoTable = errors.New("the table does not exist (run idem.Migrate, or the idem migrate command)")
 
 func tableExists(ctx context.Context, tx *sql.Tx, t catalog.Table) error {
 	var ok bool
