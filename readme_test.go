@@ -77,16 +77,7 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool) {
 	t.Helper()
 	names, optionFields = map[string]bool{}, map[string]bool{}
-	files, _ := filepath.Glob(filepath.Join(dir, "*.go"))
-	fset := token.NewFileSet()
-	for _, name := range files {
-		if strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for _, f := range parseSources(t, dir) {
 		for _, obj := range f.Scope.Objects {
 			if ast.IsExported(obj.Name) {
 				names[obj.Name] = true
@@ -106,6 +97,28 @@ func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool)
 		})
 	}
 	return names, optionFields
+}
+
+// parseSources parses the non-test Go files of the package in dir.
+func parseSources(t *testing.T, dir string) []*ast.File {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	var out []*ast.File
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, f)
+	}
+	return out
 }
 
 // TestDocLinksResolve: every relative link of the README and docs/ names a
