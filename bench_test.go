@@ -382,7 +382,7 @@ func BenchmarkInFlightDuplicate(b *testing.B) {
 				blocking := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 					close(held)
 					<-release
-					rw.WriteHeader(http.StatusServiceUnavailable) // not cached: rolled back
+					rw.WriteHeader(http.StatusServiceUnavailable) // not final: rolled back
 				})
 				go func() {
 					defer close(done)

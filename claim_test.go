@@ -22,7 +22,7 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.quoted)}
+	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.Quoted)}
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_91f2"}
 	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
@@ -60,7 +60,7 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.quoted), opts: &sql.TxOptions{Isolation: sql.LevelReadCommitted}}
+	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.Quoted), opts: &sql.TxOptions{Isolation: sql.LevelReadCommitted}}
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_wait"}
 	digest := sha256.Sum256([]byte("x"))

@@ -52,7 +52,9 @@
 // are small application/problem+json documents (see WriteProblem and
 // Options.ErrorHandler).
 //
-// The table is created by Migrate. README.md has the behaviour table and a
+// The table is created by Migrate; sweeping it, checking it and counting
+// its keys are in package idemops (and the idem command, cmd/idem).
+// README.md has the behaviour table and a
 // production checklist; docs/ has how a claim works statement by statement
 // (on database/sql and on pgx), the schema, the problem types, retention
 // and operations.

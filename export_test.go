@@ -1,6 +1,10 @@
 package idem
 
-import "github.com/pgidem/idem/internal/driver"
+import (
+	"github.com/pgidem/idem/internal/catalog"
+	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/testdb"
+)
 
 // Test helpers shared with the external test package idem_test.
 var (
@@ -8,12 +12,12 @@ var (
 	NewTestTable   = newTestTable
 	NewPlainTable  = newPlainTestTable
 	NewPartitioned = newPartitionedTestTable
-	AddPast        = addPastPartition
+	AddPast        = testdb.AddPastPartition
 	// PartitionedLayout: the suite runs on partitioned tables (IDEM_LAYOUT).
 	PartitionedLayout = partitionedLayout
 	TestDatabaseURL   = testDatabaseURL
-	LockID            = lockID
-	PartitionName     = partitionName
+	LockID            = catalog.LockID
+	PartitionName     = catalog.PartitionName
 	OpenDSN           = openDSN
 	DSNOf             = dsnOf
 )

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -340,13 +341,7 @@ func waitForPoolWaiters(t *testing.T, db *sql.DB, n int64) {
 // waitFor polls cond until it holds, failing the test after 30 seconds.
 func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	testdb.WaitFor(t, what, cond)
 }
 
 // statementTimeout runs a statement that statement_timeout stops.

@@ -33,6 +33,9 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	defined := map[string]bool{}
 	files, err := filepath.Glob("*_test.go")
 	require.NoError(t, err)
+	ops, err := filepath.Glob("idemops/*_test.go") // the operations package's own tests
+	require.NoError(t, err)
+	files = append(files, ops...)
 	failover, err := filepath.Glob("internal/failover/*_test.go") // the tests with PostgreSQL clusters of their own
 	require.NoError(t, err)
 	files = append(files, failover...)

@@ -157,6 +157,21 @@ func TestReplaysCarryTheOriginalsSecurityHeaders(t *testing.T) {
 	}
 }
 
+// The default replay headers are a value, not shared state: changing the
+// list a caller got (to extend it) changes neither what New reads nor the
+// next caller's list.
+func TestDefaultReplayHeadersCannotBeChangedFromOutside(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	h := idem.DefaultReplayHeaders()
+	require.Equal(t, "Content-Type", h[0])
+	h[0] = "Set-Cookie" // New refuses Set-Cookie: it must not see this
+	_, err := idem.New(db, idem.Options{KeyFunc: idem.Header("t", "X-Id")})
+	require.NoError(t, err)
+	assert.Equal(t, "Content-Type", idem.DefaultReplayHeaders()[0])
+	assert.NotContains(t, idem.DefaultReplayHeaders(), "Set-Cookie")
+}
+
 func TestNewRefusesHopByHopReplayHeaders(t *testing.T) {
 	db := idem.OpenTestDB(t)
 	for _, h := range []string{"Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "proxy-authenticate", "Proxy-Authorization"} {

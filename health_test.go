@@ -11,13 +11,14 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
 // finding returns the report's finding of the named check, failing the test
 // when there is none; every finding must say what happened and what to do.
-func finding(t *testing.T, r *idem.Report, check string) idem.Finding {
+func finding(t *testing.T, r *idemops.Report, check string) idemops.Finding {
 	t.Helper()
 	for _, f := range r.Findings {
 		if f.Check == check {
@@ -27,10 +28,10 @@ func finding(t *testing.T, r *idem.Report, check string) idem.Finding {
 		}
 	}
 	t.Fatalf("no %s finding in %+v", check, r.Findings)
-	return idem.Finding{}
+	return idemops.Finding{}
 }
 
-func checks(r *idem.Report) []string {
+func checks(r *idemops.Report) []string {
 	var out []string
 	for _, f := range r.Findings {
 		out = append(out, f.Check)
@@ -74,74 +75,6 @@ func holdClaim(t *testing.T, opts idem.Options, eventID string) (f *fixture, pid
 	return f, pid, release
 }
 
-func TestCheckOfAHealthyTableHasNoFindings(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
-	insertKeys(t, db, table, "old_", 10, 20*day)
-	insertKeys(t, db, table, "new_", 5, time.Minute)
-
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings)
-	assert.Equal(t, idem.SeverityOK, r.Severity())
-	assert.Equal(t, table, r.Table)
-	assert.Equal(t, int64(15), r.Rows)
-	assert.Positive(t, r.TableBytes)
-	assert.False(t, r.CheckedAt.IsZero())
-	assert.InDelta(t, float64(20*day), float64(r.OldestAge), float64(time.Hour))
-	assert.Equal(t, r.CheckedAt.Sub(r.OldestKey), r.OldestAge)
-	assert.Zero(t, r.InFlight)
-	assert.Equal(t, idem.DefaultHorizon, r.Horizon)
-	assert.Equal(t, idem.DefaultRetention, r.Retention)
-	assert.Equal(t, idem.DefaultStuckAfter, r.StuckAfter)
-	assert.Equal(t, idem.DefaultOverdueGrace, r.OverdueGrace)
-}
-
-// The test server has no standby: Check says that events answered 2xx can
-// be lost by a failover, as information, not a finding. (The failover
-// tests check what it says of a synchronous standby.)
-func TestCheckReportsDurability(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings)
-	d := r.Durability
-	assert.False(t, d.InRecovery)
-	assert.Equal(t, "on", d.SynchronousCommit)
-	assert.Empty(t, d.SynchronousStandbyNames)
-	assert.Empty(t, d.SyncStandbys)
-	assert.Contains(t, d.Summary, "no synchronous standby")
-	assert.Contains(t, d.Summary, "can be lost by a failover")
-
-	// synchronous_commit = off is said first: even a crash loses events.
-	// A role's setting, not a startup parameter, which PgBouncer refuses.
-	u, err := url.Parse(idem.TestDatabaseURL(t))
-	require.NoError(t, err)
-	u.User = url.User(newRole(t, db, "SET synchronous_commit = off"))
-	off, err := sql.Open("pgx", u.String())
-	require.NoError(t, err)
-	defer off.Close()
-	r, err = idem.Check(context.Background(), off, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Equal(t, "off", r.Durability.SynchronousCommit)
-	assert.Contains(t, r.Durability.Summary, "lost by a crash of this server")
-}
-
-func TestCheckOfAnEmptyTable(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings, "a new table is not too young: nothing was deleted")
-	assert.Zero(t, r.Rows)
-	assert.True(t, r.OldestKey.IsZero())
-	assert.Zero(t, r.OldestAge)
-}
-
 func TestCheckFindsKeysCommittedWithoutAnAnswer(t *testing.T) {
 	t.Parallel()
 	// A handler that commits the middleware's transaction itself leaves
@@ -161,11 +94,11 @@ func TestCheckFindsKeysCommittedWithoutAnAnswer(t *testing.T) {
 	}
 	require.Equal(t, http.StatusConflict, f.post("evt_misused", "{}").status, "it answers 409 from now on")
 
-	r, err := idem.Check(context.Background(), f.db, idem.CheckOptions{Table: f.table})
+	r, err := idemops.Check(context.Background(), f.db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
-	assert.Equal(t, idem.SeverityCritical, r.Severity())
+	assert.Equal(t, idemops.SeverityCritical, r.Severity())
 	fd := finding(t, r, "unanswered_keys")
-	assert.Equal(t, idem.SeverityCritical, fd.Severity)
+	assert.Equal(t, idemops.SeverityCritical, fd.Severity)
 	assert.Contains(t, fd.What, `"evt_misused"`)
 	assert.Contains(t, fd.What, "409")
 	assert.Equal(t, int64(1), r.Unanswered)
@@ -193,7 +126,7 @@ func TestCheckFindsClaimsStuckInFlight(t *testing.T) {
 	require.NoError(t, err)
 
 	// The claim began before this check did, so it is older than 1ns.
-	r, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
+	r, err := idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
 	require.NoError(t, err)
 	assert.Equal(t, 1, r.InFlight)
 	require.Len(t, r.Stuck, 1)
@@ -202,18 +135,18 @@ func TestCheckFindsClaimsStuckInFlight(t *testing.T) {
 	assert.Equal(t, "idle in transaction", c.State)
 	assert.Positive(t, c.Age)
 	assert.False(t, c.XactStart.IsZero())
-	assert.Equal(t, idem.SeverityCritical, finding(t, r, "stuck_claims").Severity)
+	assert.Equal(t, idemops.SeverityCritical, finding(t, r, "stuck_claims").Severity)
 	assert.Equal(t, []string{"stuck_claims"}, checks(r))
 
 	// Under the threshold it is in flight, not stuck.
-	r, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, StuckAfter: time.Hour})
+	r, err = idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table, StuckAfter: time.Hour})
 	require.NoError(t, err)
 	assert.Equal(t, 1, r.InFlight)
 	assert.Empty(t, r.Stuck)
 	assert.Empty(t, r.Findings)
 
 	assert.Equal(t, http.StatusNoContent, release().status)
-	r, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
+	r, err = idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
 	require.NoError(t, err)
 	assert.Zero(t, r.InFlight)
 }
@@ -242,105 +175,15 @@ func TestCheckSaysWhenItCannotSeeTheClaims(t *testing.T) {
 	require.NoError(t, err)
 	defer limited.Close()
 
-	r, err := idem.Check(context.Background(), limited, idem.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
+	r, err := idemops.Check(context.Background(), limited, idemops.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
 	require.NoError(t, err)
 	assert.Equal(t, 1, r.InFlight)
 	assert.Equal(t, 1, r.Invisible)
 	assert.Empty(t, r.Stuck)
 	fd := finding(t, r, "claims_not_visible")
-	assert.Equal(t, idem.SeverityWarning, fd.Severity)
+	assert.Equal(t, idemops.SeverityWarning, fd.Severity)
 	assert.Contains(t, fd.Action, "pg_read_all_stats")
 	release()
-}
-
-func TestCheckFindsKeysOverdueForTheSweeper(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewPlainTable(t, db)
-	insertKeys(t, db, table, "overdue_", 3, 30*day+2*time.Hour)
-	insertKeys(t, db, table, "in_grace_", 2, 30*day+30*time.Minute)
-	insertKeys(t, db, table, "fresh_", 2, time.Hour)
-
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Equal(t, int64(3), r.OverdueRows, "keys past the retention by less than the grace are not overdue")
-	assert.Equal(t, idem.SeverityWarning, r.Severity())
-	fd := finding(t, r, "overdue_keys")
-	assert.Contains(t, fd.What, "3 key(s)")
-	assert.Equal(t, []string{"overdue_keys"}, checks(r))
-
-	r, err = idem.Check(context.Background(), db, idem.CheckOptions{Table: table, Retention: 40 * day})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings, "with a longer retention nothing is overdue")
-}
-
-func TestCheckFindsKeysDeletedYoungerThanTheHorizon(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	db := idem.OpenTestDB(t)
-	table := idem.NewPlainTable(t, db)
-	insertKeys(t, db, table, "k", 5, time.Hour)
-
-	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings, "young keys in a table that never lost one: a new deployment")
-
-	// Delete a key, and make the server publish the deletion in its
-	// statistics now rather than within the next seconds.
-	conn, err := db.Conn(ctx)
-	require.NoError(t, err)
-	defer conn.Close()
-	_, err = conn.ExecContext(ctx, `DELETE FROM "`+table+`" WHERE event_id = 'k1'`)
-	require.NoError(t, err)
-	_, err = conn.ExecContext(ctx, `SELECT pg_stat_force_next_flush()`)
-	require.NoError(t, err)
-	waitFor(t, "the deletion in the statistics", func() bool {
-		var n int64
-		require.NoError(t, db.QueryRow(`SELECT pg_stat_get_tuples_deleted(to_regclass($1))`, `"`+table+`"`).Scan(&n))
-		return n > 0
-	})
-
-	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Positive(t, r.Deleted)
-	fd := finding(t, r, "keys_younger_than_horizon")
-	assert.Equal(t, idem.SeverityWarning, fd.Severity)
-	assert.Contains(t, fd.What, "72h0m0s")
-
-	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table, Horizon: 30 * time.Minute})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings, "keys older than a 30-minute horizon are fine")
-}
-
-func TestCheckFindsARetentionShorterThanTheHorizon(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: table, Horizon: 30 * day, Retention: 7 * day})
-	require.NoError(t, err)
-	fd := finding(t, r, "retention_below_horizon")
-	assert.Equal(t, idem.SeverityCritical, fd.Severity)
-	assert.Contains(t, fd.What, "168h0m0s")
-	assert.Contains(t, fd.What, "720h0m0s")
-}
-
-func TestCheckErrors(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	_, err := idem.Check(context.Background(), db, idem.CheckOptions{Table: "no_such_table"})
-	assert.ErrorContains(t, err, "idem: check no_such_table: the table does not exist")
-	_, err = idem.Check(context.Background(), db, idem.CheckOptions{StuckAfter: -time.Second})
-	assert.ErrorContains(t, err, "StuckAfter")
-	_, err = idem.Check(context.Background(), db, idem.CheckOptions{Table: "a.b.c"})
-	assert.Error(t, err)
-}
-
-func TestSeverityNames(t *testing.T) {
-	t.Parallel()
-	assert.Equal(t, "ok", idem.SeverityOK.String())
-	assert.Equal(t, "warning", idem.SeverityWarning.String())
-	assert.Equal(t, "critical", idem.SeverityCritical.String())
-	assert.Equal(t, "Severity(9)", idem.Severity(9).String())
 }
 
 func TestStatsCountsKeysBySource(t *testing.T) {
@@ -352,7 +195,7 @@ SELECT s, s || g, '\x00', CASE WHEN g = 4 THEN NULL ELSE 200 END, now() - g * in
 FROM (VALUES ('alpha', 4), ('beta', 2), ('gamma', 1)) AS v(s, n), generate_series(1, n) AS g`)
 	require.NoError(t, err)
 
-	s, err := idem.Stats(context.Background(), f.db, idem.StatsOptions{Table: f.table, MaxSources: 2})
+	s, err := idemops.Stats(context.Background(), f.db, idemops.StatsOptions{Table: f.table, MaxSources: 2})
 	require.NoError(t, err)
 	assert.Equal(t, f.table, s.Table)
 	assert.Equal(t, int64(7), s.Rows)
@@ -371,25 +214,10 @@ FROM (VALUES ('alpha', 4), ('beta', 2), ('gamma', 1)) AS v(s, n), generate_serie
 	assert.Equal(t, s.Sources[0].Oldest, s.Oldest)
 	assert.Equal(t, http.StatusNoContent, release().status)
 
-	all, err := idem.Stats(context.Background(), f.db, idem.StatsOptions{Table: f.table})
+	all, err := idemops.Stats(context.Background(), f.db, idemops.StatsOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Len(t, all.Sources, 4, "the released claim committed, in source \"test\"")
 	assert.Zero(t, all.OtherSources)
 	assert.Zero(t, all.InFlight)
 	assert.Equal(t, int64(8), all.Rows)
-}
-
-func TestStatsOfAnEmptyOrMissingTable(t *testing.T) {
-	t.Parallel()
-	db := idem.OpenTestDB(t)
-	table := idem.NewTestTable(t, db)
-	s, err := idem.Stats(context.Background(), db, idem.StatsOptions{Table: table})
-	require.NoError(t, err)
-	assert.Zero(t, s.Rows)
-	assert.Empty(t, s.Sources)
-	assert.True(t, s.Oldest.IsZero())
-	_, err = idem.Stats(context.Background(), db, idem.StatsOptions{Table: "no_such_table"})
-	assert.ErrorContains(t, err, "does not exist")
-	_, err = idem.Stats(context.Background(), db, idem.StatsOptions{MaxSources: -1})
-	assert.Error(t, err)
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -380,7 +381,7 @@ func TestOperationsKnowLeases(t *testing.T) {
 		('test', 'expired_new', '\x00', now(), now() - interval '1 second', 3)`)
 	require.NoError(t, err)
 
-	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})
+	r, err := idemops.Check(ctx, db, idemops.CheckOptions{Table: table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), r.LiveLeases)
 	assert.Equal(t, int64(2), r.ExpiredLeases)
@@ -389,13 +390,13 @@ func TestOperationsKnowLeases(t *testing.T) {
 	for _, f := range r.Findings {
 		checks = append(checks, f.Check)
 		if f.Check == "expired_leases" {
-			assert.Equal(t, idem.SeverityWarning, f.Severity)
+			assert.Equal(t, idemops.SeverityWarning, f.Severity)
 		}
 	}
 	assert.Contains(t, checks, "expired_leases")
 	assert.NotContains(t, checks, "unanswered_keys")
 
-	s, err := idem.Stats(ctx, db, idem.StatsOptions{Table: table})
+	s, err := idemops.Stats(ctx, db, idemops.StatsOptions{Table: table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), s.LiveLeases)
 	assert.Equal(t, int64(2), s.ExpiredLeases)
@@ -403,7 +404,7 @@ func TestOperationsKnowLeases(t *testing.T) {
 	require.Len(t, s.Sources, 1)
 	assert.Equal(t, int64(3), s.Sources[0].Leases)
 
-	res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: table, Pause: -1})
+	res, err := idemops.Sweep(ctx, db, idemops.SweepOptions{Table: table, Pause: -1})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), res.Removed, "only the old expired lease")
 	var left []string
@@ -440,7 +441,7 @@ func TestLeaseHandlerEndingItsTransactionKeepsTheKey(t *testing.T) {
 	assert.Equal(t, http.StatusConflict, f.post("evt_1", "{}").status, "not run again")
 	assert.Equal(t, 1, f.ledgerRows())
 	assert.Equal(t, int64(1), f.runs.Load())
-	r, err := idem.Check(context.Background(), f.db, idem.CheckOptions{Table: f.table})
+	r, err := idemops.Check(context.Background(), f.db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), r.Unanswered, "reported for an operator")
 }

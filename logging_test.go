@@ -1,34 +1,19 @@
 package idem_test
 
 import (
-	"bytes"
 	"database/sql"
 	"log/slog"
 	"net/http"
-	"sync"
 	"testing"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *logBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *logBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// logBuffer collects the records of a slog handler.
+type logBuffer = testdb.LogBuffer
 
 // Refused and failed requests are logged with their source and event id;
 // bodies never are.

@@ -35,13 +35,17 @@ const (
 // or the handler's own locks in another transaction) make it try again.
 const maxClaimAttempts = 4
 
-// DefaultReplayHeaders are the response headers stored and replayed when
-// Options.ReplayHeaders is nil. Content-Type is always replayed. They are
-// the headers that describe the answer, and those that tell the client how
-// to treat it safely (no sniffing, the content policy, framing, referrers,
-// HTTPS only, cross-origin isolation): a replay without them would be a
-// weaker answer than the original.
-var DefaultReplayHeaders = []string{
+// DefaultReplayHeaders returns the response headers stored and replayed
+// when Options.ReplayHeaders is nil, in a new slice each time (append your
+// own to it). Content-Type is always replayed. They are the headers that
+// describe the answer, and those that tell the client how to treat it
+// safely (no sniffing, the content policy, framing, referrers, HTTPS only,
+// cross-origin isolation): a replay without them would be a weaker answer
+// than the original.
+func DefaultReplayHeaders() []string { return append([]string(nil), defaultReplayHeaders...) }
+
+// defaultReplayHeaders are DefaultReplayHeaders, read by New.
+var defaultReplayHeaders = []string{
 	"Content-Type", "Content-Encoding", "Content-Language", "Content-Location",
 	"Location", "ETag", "Last-Modified", "Cache-Control", "Link", "Vary",
 	"X-Content-Type-Options", "Content-Security-Policy", "Content-Security-Policy-Report-Only",
@@ -72,7 +76,7 @@ type Options struct {
 	// schema-qualified ("billing.webhook_keys"). The table and its schema
 	// must each be 1 to 63 characters of a-z, 0-9 and _, not starting with
 	// a digit (a name PostgreSQL reads the same quoted or unquoted): New
-	// refuses any other name, as Migrate, Sweep, Check and Stats do.
+	// refuses any other name, as Migrate and package idemops do.
 	Table string
 
 	// LockWait is the longest a duplicate waits for an in-flight original to
@@ -104,14 +108,14 @@ type Options struct {
 	// 500. 0 means DefaultMaxResponseBytes (1 MiB).
 	MaxResponseBytes int64
 
-	// CacheStatus reports whether a handler's status is final: stored,
+	// FinalStatus reports whether a handler's status is final: stored,
 	// committed with the handler's writes, and replayed to every duplicate.
 	// Any other status rolls back the claim and the handler's writes, so a
 	// redelivery runs the handler again. nil means 2xx only.
-	CacheStatus func(status int) bool
+	FinalStatus func(status int) bool
 
 	// ReplayHeaders are the response headers stored and replayed, besides
-	// Content-Type. nil means DefaultReplayHeaders. Set-Cookie, credentials
+	// Content-Type. nil means DefaultReplayHeaders(). Set-Cookie, credentials
 	// and hop-by-hop headers are refused by New.
 	ReplayHeaders []string
 
@@ -211,7 +215,7 @@ const (
 	// OutcomeMismatch: the key was completed for a different body (422).
 	OutcomeMismatch
 	// OutcomeRolledBack: the key was claimed, but the handler answered a
-	// status that is not cached, panicked, timed out, misused the
+	// status that is not final, panicked, timed out, misused the
 	// transaction or wrote too much; nothing was committed (but for a
 	// COMMIT still waiting at HandlerTimeout, which may commit later).
 	OutcomeRolledBack
@@ -263,7 +267,7 @@ type Middleware struct {
 	methods        []string
 	maxBody        int64
 	maxResponse    int
-	cacheStatus    func(int) bool
+	finalStatus    func(int) bool
 	replayHeaders  []string
 	retryAfter     string        // Retry-After, in seconds
 	retryAfterMin  time.Duration // Options.RetryAfter, or its default
@@ -322,12 +326,12 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 		return nil, err
 	}
 	m := &Middleware{
-		drv:            newDriver(driver.NewQueries(t.quoted)),
+		drv:            newDriver(driver.NewQueries(t.Quoted)),
 		table:          t,
 		keyFunc:        opts.KeyFunc,
 		lockWait:       opts.LockWait,
 		maxBody:        opts.MaxBodyBytes,
-		cacheStatus:    opts.CacheStatus,
+		finalStatus:    opts.FinalStatus,
 		handlerTimeout: opts.HandlerTimeout,
 		logger:         opts.Logger,
 		errorHandler:   opts.ErrorHandler,
@@ -391,8 +395,8 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 	}
 	m.cache = newReplayCache(cacheBytes, ttl)
 	m.retryAfter, m.retryAfterMin = seconds(retry), retry
-	if m.cacheStatus == nil {
-		m.cacheStatus = func(s int) bool { return s >= 200 && s < 300 }
+	if m.finalStatus == nil {
+		m.finalStatus = func(s int) bool { return s >= 200 && s < 300 }
 	}
 	if m.errorHandler == nil {
 		m.errorHandler = WriteProblem
@@ -409,7 +413,7 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 	}
 	headers := opts.ReplayHeaders
 	if headers == nil {
-		headers = DefaultReplayHeaders
+		headers = defaultReplayHeaders
 	}
 	m.replayHeaders = []string{"Content-Type"}
 	for _, h := range headers {
@@ -909,7 +913,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 	finished = true
 
 	status := rec.finalStatus()
-	final := m.cacheStatus(status)
+	final := m.finalStatus(status)
 	var headers []byte // the stored headers are part of the answer's size
 	if final {
 		headers = appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
@@ -932,7 +936,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
 			m.log(x, slog.LevelWarn, "rollback failed", err)
 		}
-		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not cached", status)
+		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not a final status", status)
 		m.log(x, slog.LevelInfo, "rolled back: the handler's status is not final", x.obs.Err)
 		x.answer(rec)
 		return

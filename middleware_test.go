@@ -248,9 +248,9 @@ func TestNonSuccessAnswerRollsBackClaimAndWrites(t *testing.T) {
 	assert.Equal(t, 1, f.ledgerRows())
 }
 
-func TestCacheStatusDecidesWhatIsFinal(t *testing.T) {
+func TestFinalStatusDecidesWhatIsFinal(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idem.Options{CacheStatus: func(s int) bool { return s < 500 }},
+	f := newFixture(t, idem.Options{FinalStatus: func(s int) bool { return s < 500 }},
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, "permanently invalid", http.StatusBadRequest)
 		}))

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgidem/idem/internal/catalog"
 	"github.com/pgidem/idem/internal/migration"
 
 	"github.com/stretchr/testify/assert"
@@ -37,9 +38,11 @@ func TestMigrateCreatesTheIndexForLongTableNames(t *testing.T) {
 		require.NoError(t, Migrate(ctx, db, name))
 		require.NoError(t, Migrate(ctx, db, name), "safe to run twice")
 		var indexes int
-		require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1)`, quoteIdent(name)).Scan(&indexes))
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1)`, catalog.QuoteIdent(name)).Scan(&indexes))
 		assert.Equal(t, 2, indexes, "%s (%d bytes): the primary key and the claimed_at index", name, len(name))
-		assert.LessOrEqual(t, len(indexName(name)), 63)
+		tbl, err := parseTable(name)
+		require.NoError(t, err)
+		assert.LessOrEqual(t, len(tbl.Index), 63+2, "quoted")
 	}
 }
 
@@ -56,7 +59,9 @@ func TestMigrateReportsWhatItDid(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, migration.Result{}, res, "up to date")
 
-	_, err = db.Exec(`ALTER TABLE ` + name + ` DROP COLUMN lease_token; DROP INDEX ` + quoteIdent(indexName(name)))
+	tbl, err := parseTable(name)
+	require.NoError(t, err)
+	_, err = db.Exec(`ALTER TABLE ` + name + ` DROP COLUMN lease_token; DROP INDEX ` + tbl.Index)
 	require.NoError(t, err)
 	res, err = migrate(ctx, db, MigrateOptions{Table: name})
 	require.NoError(t, err)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgidem/idem/internal/catalog"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -70,7 +71,7 @@ func TestPartitionedClaimLooksForTheKeyAfterTakingTheLock(t *testing.T) {
 			_, err = orig.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, lock)
 			require.NoError(t, err)
 			digest := sha256.Sum256([]byte("{}"))
-			_, err = orig.ExecContext(ctx, `INSERT INTO `+tbl.quoted+` (source, event_id, payload_digest,
+			_, err = orig.ExecContext(ctx, `INSERT INTO `+tbl.Quoted+` (source, event_id, payload_digest,
     response_status, response_headers, response_body, claimed_at, completed_at)
 VALUES ($1, $2, $3, 201, '{}', 'first run', now() - interval '10 days', now())`, key.Source, key.EventID, digest[:])
 			require.NoError(t, err)
@@ -102,7 +103,7 @@ WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
 			rec := <-answered
 			assert.Equal(t, tc.runs, runs.Load(), "handler runs of the duplicate")
 			var rows int
-			require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+tbl.quoted+` WHERE event_id = $1`, key.EventID).Scan(&rows))
+			require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+tbl.Quoted+` WHERE event_id = $1`, key.EventID).Scan(&rows))
 			assert.Equal(t, tc.rows, rows, "rows of the key")
 			assert.Equal(t, http.StatusCreated, rec.Code)
 			if !tc.oneStatement {
@@ -111,31 +112,6 @@ WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
 			}
 		})
 	}
-}
-
-func TestPartitionGapsAndNames(t *testing.T) {
-	day := 24 * time.Hour
-	at := func(d int) time.Time { return time.Date(2026, 12, d, 0, 0, 0, 0, time.UTC) }
-	start, end := at(10), at(14)
-	// Nothing yet: one partition per day.
-	assert.Equal(t, [][2]time.Time{{at(10), at(11)}, {at(11), at(12)}, {at(12), at(13)}, {at(13), at(14)}}, gaps(nil, start, end, day))
-	// Someone else's partitions (half a day, then a week from the 12th at
-	// noon): only what they leave uncovered.
-	others := []partition{
-		{From: at(10), To: at(10).Add(12 * time.Hour)},
-		{From: at(12).Add(12 * time.Hour), To: at(19)},
-	}
-	assert.Equal(t, [][2]time.Time{{at(10).Add(12 * time.Hour), at(11)}, {at(11), at(12)}, {at(12), at(12).Add(12 * time.Hour)}},
-		gaps(others, start, end, day))
-	// A partition from MINVALUE, and a pending detach that covers nothing.
-	assert.Equal(t, [][2]time.Time{{at(13), at(14)}},
-		gaps([]partition{{To: at(13)}, {From: at(13), To: at(14), Pending: true}}, start, end, day))
-
-	assert.Equal(t, at(10), alignDown(at(10).Add(23*time.Hour), day))
-	assert.Equal(t, "t_p20261210_0000", partitionName("t", at(10)))
-	long := partitionName(strings.Repeat("x", 63), at(10))
-	assert.Len(t, long, 63)
-	assert.NotEqual(t, long, partitionName(strings.Repeat("x", 62)+"y", at(10)))
 }
 
 // A new event's answer, on a partitioned table, is stored by an UPDATE of
@@ -150,12 +126,12 @@ func TestPartitionedAnswerUpdatesOnePartition(t *testing.T) {
 	name := newPartitionedTestTable(t, db, 24*time.Hour)
 	tbl, err := parseTable(name)
 	require.NoError(t, err)
-	q := driver.NewQueries(tbl.quoted)
+	q := driver.NewQueries(tbl.Quoted)
 
 	tx, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback() }()
-	parts, err := listPartitions(ctx, tx, tbl)
+	parts, err := catalog.ListPartitions(ctx, tx, tbl.Table)
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, len(parts), 5, "the past, the current partition and 3 ahead")
 
@@ -180,6 +156,6 @@ func TestPartitionedAnswerUpdatesOnePartition(t *testing.T) {
 	assert.True(t, strings.Contains(plan, fmt.Sprintf(`"Subplans Removed": %d`, len(parts)-1)),
 		"the answer's UPDATE did not leave the other %d partitions out", len(parts)-1)
 	var status int
-	require.NoError(t, c.tx.QueryRowContext(ctx, "SELECT response_status FROM "+tbl.quoted+" WHERE event_id = 'evt_new'").Scan(&status))
+	require.NoError(t, c.tx.QueryRowContext(ctx, "SELECT response_status FROM "+tbl.Quoted+" WHERE event_id = 'evt_new'").Scan(&status))
 	assert.Equal(t, 201, status)
 }

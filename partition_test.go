@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -306,10 +307,10 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_old%[2]d" FOR VALUES FROM ('%[3]s') 
 	// Before the sweep, the check counts as overdue the keys of the
 	// partitions that ended longer ago than the retention plus the grace:
 	// old4 to old6 (ended 3 hours or more before a) for 2h and 1h.
-	r, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 2 * time.Hour, OverdueGrace: time.Hour})
+	r, err := idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 2 * time.Hour, OverdueGrace: time.Hour})
 	require.NoError(t, err)
 	assert.Equal(t, int64(9), r.OverdueRows)
-	assert.Equal(t, 6+1+idem.DefaultPartitionsAhead, r.Partitions)
+	assert.Len(t, r.Partitions, 6+1+idem.DefaultPartitionsAhead)
 	assert.Contains(t, checks(r), "overdue_keys")
 
 	// The cutoff: 3h35m before a. old5 and old6 ended before it; old4
@@ -322,9 +323,9 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_old%[2]d" FOR VALUES FROM ('%[3]s') 
 	// end before it drops anything, and claims go on meanwhile.
 	held := f.postAsync("evt_held", "{}")
 	<-g.entered
-	swept := make(chan idem.SweepResult, 1)
+	swept := make(chan idemops.SweepResult, 1)
 	go func() {
-		res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Retention: retention, UnsafeShortRetention: true, Pause: -1})
+		res, err := idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table, Retention: retention, UnsafeShortRetention: true, Pause: -1})
 		assert.NoError(t, err)
 		swept <- res
 	}()
@@ -352,13 +353,13 @@ AND query LIKE 'ALTER TABLE%DETACH PARTITION%' AND wait_event_type = 'Lock'`).Sc
 	assert.Equal(t, 3, inside, "the partition that straddles the cutoff keeps its keys")
 
 	// The retention floor applies as on a plain table.
-	_, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Retention: time.Hour})
-	assert.ErrorIs(t, err, idem.ErrUnsafeRetention)
+	_, err = idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table, Retention: time.Hour})
+	assert.ErrorIs(t, err, idemops.ErrUnsafeRetention)
 	// Run again: nothing more to drop, the partitions ahead kept.
-	res, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Retention: retention, UnsafeShortRetention: true})
+	res, err = idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table, Retention: retention, UnsafeShortRetention: true})
 	require.NoError(t, err)
 	assert.Zero(t, res.PartitionsDropped)
-	r, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 5 * time.Hour})
+	r, err = idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table, Horizon: time.Hour, Retention: 5 * time.Hour})
 	require.NoError(t, err)
 	assert.True(t, r.Partitioned)
 	assert.GreaterOrEqual(t, r.PartitionsAhead, idem.DefaultPartitionsAhead)
@@ -407,9 +408,9 @@ func TestConvertingAPlainTableToPartitioned(t *testing.T) {
 	// An application's Migrate at start, before the operator's: nothing to
 	// take an interval from, so nothing added, and no error.
 	require.NoError(t, idem.Migrate(ctx, f.db, f.table))
-	rep, err := idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
+	rep, err := idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
-	assert.Equal(t, 1, rep.Partitions)
+	assert.Len(t, rep.Partitions, 1)
 	assert.Equal(t, []string{"few_partitions_ahead"}, checks(rep))
 	require.NoError(t, idem.MigrateWith(ctx, f.db, idem.MigrateOptions{Table: f.table, PartitionInterval: 24 * time.Hour}))
 
@@ -423,13 +424,13 @@ func TestConvertingAPlainTableToPartitioned(t *testing.T) {
 	assert.Equal(t, int64(2), f.runs.Load())
 	assert.Equal(t, 2, f.ledgerRows())
 
-	rep, err = idem.Check(ctx, f.db, idem.CheckOptions{Table: f.table})
+	rep, err = idemops.Check(ctx, f.db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, f.table+"_plain", rep.CurrentPartition)
 	assert.Equal(t, idem.DefaultPartitionsAhead, rep.PartitionsAhead)
 	assert.Empty(t, rep.Findings)
 	// The old table, now a partition, can still be swept row by row.
-	res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table + "_plain"})
+	res, err := idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table + "_plain"})
 	require.NoError(t, err)
 	assert.Zero(t, res.Removed)
 }
@@ -458,7 +459,7 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::ti
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			res, err := idem.Sweep(context.Background(), f.db, idem.SweepOptions{Table: f.table, Pause: -1})
+			res, err := idemops.Sweep(context.Background(), f.db, idemops.SweepOptions{Table: f.table, Pause: -1})
 			assert.NoError(t, err)
 			mu.Lock()
 			total += res.Removed
@@ -526,64 +527,9 @@ ALTER TABLE "%[1]s" ATTACH PARTITION "%[1]s_o%[2]d" FOR VALUES FROM ('%[4]s'::ti
 	require.NoError(t, f.db.QueryRow(`SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`, `"`+f.table+`_o41"`).Scan(&pending))
 	require.True(t, pending, "the cancelled detach left the partition pending")
 
-	res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, Pause: -1})
+	res, err := idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table, Pause: -1})
 	require.NoError(t, err)
 	assert.Equal(t, 2, res.PartitionsDropped)
 	assert.Equal(t, int64(2), res.Removed)
 	assert.Equal(t, 0, f.keys())
-}
-
-// Check warns when fewer than two partitions are ready ahead, and is
-// critical when none holds the current time; a sweep puts both right.
-func TestCheckOfAPartitionedTableWatchesThePartitionsAhead(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	db := idem.OpenTestDB(t)
-	table := idem.NewPartitioned(t, db, 24*time.Hour)
-	partitions := func() []string {
-		rows, err := db.Query(`SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-WHERE i.inhparent = to_regclass($1) ORDER BY 1`, `"`+table+`"`)
-		require.NoError(t, err)
-		defer rows.Close()
-		var out []string
-		for rows.Next() {
-			var p string
-			require.NoError(t, rows.Scan(&p))
-			out = append(out, p)
-		}
-		return out
-	}
-	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings)
-	assert.Equal(t, idem.DefaultPartitionsAhead, r.PartitionsAhead)
-
-	// The past partition, the current one and three ahead, by name: drop
-	// two of those ahead.
-	parts := partitions()
-	require.Len(t, parts, 5)
-	for _, p := range parts[3:] {
-		_, err := db.Exec(`DROP TABLE "` + p + `"`)
-		require.NoError(t, err)
-	}
-	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Equal(t, 1, r.PartitionsAhead)
-	assert.Equal(t, []string{"few_partitions_ahead"}, checks(r))
-	assert.Equal(t, idem.SeverityWarning, r.Severity())
-
-	_, err = db.Exec(`DROP TABLE "` + r.CurrentPartition + `"`)
-	require.NoError(t, err)
-	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.CurrentPartition)
-	assert.Equal(t, []string{"no_current_partition"}, checks(r))
-	assert.Equal(t, idem.SeverityCritical, r.Severity())
-
-	_, err = idem.Sweep(ctx, db, idem.SweepOptions{Table: table})
-	require.NoError(t, err)
-	r, err = idem.Check(ctx, db, idem.CheckOptions{Table: table})
-	require.NoError(t, err)
-	assert.Empty(t, r.Findings, "the sweep added the current partition and those ahead")
-	assert.Equal(t, idem.DefaultPartitionsAhead, r.PartitionsAhead)
 }

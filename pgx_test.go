@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/idempgx"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -190,15 +191,15 @@ func TestOperationsFromAPgxPool(t *testing.T) {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 	ctx := context.Background()
-	st, err := idem.Stats(ctx, db, idem.StatsOptions{Table: f.table})
+	st, err := idemops.Stats(ctx, db, idemops.StatsOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), st.Rows)
-	r, err := idem.Check(ctx, db, idem.CheckOptions{Table: f.table})
+	r, err := idemops.Check(ctx, db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), r.Rows)
 	_, err = f.db.Exec(`UPDATE "` + f.table + `" SET claimed_at = now() - interval '60 days'`)
 	require.NoError(t, err)
-	res, err := idem.Sweep(ctx, db, idem.SweepOptions{Table: f.table})
+	res, err := idemops.Sweep(ctx, db, idemops.SweepOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), res.Removed)
 	assert.Equal(t, 0, f.keys())

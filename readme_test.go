@@ -26,6 +26,7 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 	}
 	exported, fields := exportedAPI(t, ".")
 	pgxExported, _ := exportedAPI(t, "idempgx")
+	opsExported, _ := exportedAPI(t, "idemops")
 	pages, _ := filepath.Glob("docs/*.md")
 	for _, page := range append(pages, "README.md") {
 		text, err := os.ReadFile(page)
@@ -35,6 +36,11 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 		for _, m := range regexp.MustCompile(`\bidempgx\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
 			if !pgxExported[m[1]] {
 				t.Errorf("%s mentions idempgx.%s, which package idempgx does not export", page, m[1])
+			}
+		}
+		for _, m := range regexp.MustCompile(`\bidemops\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
+			if !opsExported[m[1]] {
+				t.Errorf("%s mentions idemops.%s, which package idemops does not export", page, m[1])
 			}
 		}
 		for _, m := range regexp.MustCompile(`\bidem\.([A-Z]\w*)`).FindAllStringSubmatch(string(text), -1) {
@@ -71,16 +77,7 @@ func TestREADMEMatchesTheAPI(t *testing.T) {
 func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool) {
 	t.Helper()
 	names, optionFields = map[string]bool{}, map[string]bool{}
-	files, _ := filepath.Glob(filepath.Join(dir, "*.go"))
-	fset := token.NewFileSet()
-	for _, name := range files {
-		if strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for _, f := range parseSources(t, dir) {
 		for _, obj := range f.Scope.Objects {
 			if ast.IsExported(obj.Name) {
 				names[obj.Name] = true
@@ -100,6 +97,28 @@ func exportedAPI(t *testing.T, dir string) (names, optionFields map[string]bool)
 		})
 	}
 	return names, optionFields
+}
+
+// parseSources parses the non-test Go files of the package in dir.
+func parseSources(t *testing.T, dir string) []*ast.File {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	var out []*ast.File
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, f)
+	}
+	return out
 }
 
 // TestDocLinksResolve: every relative link of the README and docs/ names a
@@ -297,6 +316,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/idempgx"
 )
 
@@ -312,6 +332,7 @@ var (
 	_ = stdlib.OpenDBFromPool
 	_ = idem.New
 	_ = idempgx.New
+	_ = idemops.Check
 )
 
 // What the snippets take from their surroundings.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -67,7 +68,7 @@ func TestTableNamesAreValidatedNeverInjected(t *testing.T) {
 			var n int
 			require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM `+quotedName(name)).Scan(&n))
 			assert.Equal(t, 1, n, name)
-			_, err = idem.Sweep(ctx, f.db, idem.SweepOptions{Table: name, Retention: time.Hour, UnsafeShortRetention: true, Pause: -1})
+			_, err = idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: name, Retention: time.Hour, UnsafeShortRetention: true, Pause: -1})
 			require.NoError(t, err, name)
 		}
 	})
@@ -99,11 +100,11 @@ func TestTableNamesAreValidatedNeverInjected(t *testing.T) {
 				assertRefusedName(t, err, name)
 				assertRefusedName(t, idem.Migrate(ctx, closed, name), name)
 				assertRefusedName(t, idem.MigrateWith(ctx, closed, idem.MigrateOptions{Table: name, PartitionInterval: 24 * time.Hour}), name)
-				_, err = idem.Sweep(ctx, closed, idem.SweepOptions{Table: name})
+				_, err = idemops.Sweep(ctx, closed, idemops.SweepOptions{Table: name})
 				assertRefusedName(t, err, name)
-				_, err = idem.Check(ctx, closed, idem.CheckOptions{Table: name})
+				_, err = idemops.Check(ctx, closed, idemops.CheckOptions{Table: name})
 				assertRefusedName(t, err, name)
-				_, err = idem.Stats(ctx, closed, idem.StatsOptions{Table: name})
+				_, err = idemops.Stats(ctx, closed, idemops.StatsOptions{Table: name})
 				assertRefusedName(t, err, name)
 			}
 		})

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -60,7 +61,7 @@ func TestSweepDuringStormDeletesNoLiveKey(t *testing.T) {
 	stop, swept := make(chan struct{}), make(chan error, 1)
 	go func() {
 		for {
-			res, err := idem.Sweep(ctx, f.db, idem.SweepOptions{Table: f.table, BatchSize: 200, MaxBatches: 1000, Pause: -1})
+			res, err := idemops.Sweep(ctx, f.db, idemops.SweepOptions{Table: f.table, BatchSize: 200, MaxBatches: 1000, Pause: -1})
 			removed.Add(res.Removed)
 			if err != nil {
 				swept <- err

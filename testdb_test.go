@@ -113,81 +113,21 @@ func dsnOf(db *sql.DB) (string, bool) {
 func openTestDB(t testing.TB) *sql.DB {
 	t.Helper()
 	db, err := openDSN(testDatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	db.SetMaxOpenConns(20)
-	db.SetMaxIdleConns(20) // database/sql keeps 2 by default: concurrent tests would reconnect all the time
-	t.Cleanup(func() { db.Close() })
-	if err := db.PingContext(context.Background()); err != nil {
-		t.Fatalf("PostgreSQL is required: %v", err)
-	}
-	return db
+	return testdb.Ready(t, db, err)
 }
 
-// partitionedLayout: IDEM_LAYOUT=partitioned makes newTestTable create
-// partitioned tables, so that the behaviour suite runs on that layout too
-// (scripts/test.sh runs it once so).
-var partitionedLayout = os.Getenv("IDEM_LAYOUT") == "partitioned"
+// The suite's tables (testdb.Tables): newTestTable in the suite's layout
+// (IDEM_LAYOUT), newPlainTestTable plain whatever it says (for the tests of
+// the row-by-row sweep), newPartitionedTestTable partitioned by interval.
+var (
+	tables                  = testdb.Tables{Prefix: "idem", Migrate: migrateTable}
+	partitionedLayout       = testdb.PartitionedLayout
+	newTestTable            = tables.New
+	newPlainTestTable       = tables.Plain
+	newPartitionedTestTable = tables.Partitioned
+)
 
-// newTestTable migrates a fresh idempotency table for one test, in the
-// suite's layout (IDEM_LAYOUT). A partitioned one has daily partitions and
-// one more for everything before them, so that tests can date keys back.
-func newTestTable(t testing.TB, db *sql.DB) string {
-	t.Helper()
-	if partitionedLayout {
-		return newPartitionedTestTable(t, db, 24*time.Hour)
-	}
-	return newPlainTestTable(t, db)
-}
-
-// newPlainTestTable migrates a fresh plain table, whatever IDEM_LAYOUT says:
-// for the tests of the row-by-row sweep and of its health checks.
-func newPlainTestTable(t testing.TB, db *sql.DB) string {
-	t.Helper()
-	name := fmt.Sprintf("idem_%d", tableSeq.Add(1))
-	if err := Migrate(context.Background(), db, name); err != nil {
-		t.Fatal(err)
-	}
-	return name
-}
-
-// newPartitionedTestTable migrates a fresh table partitioned by interval,
-// with a partition for everything before the current one.
-func newPartitionedTestTable(t testing.TB, db *sql.DB, interval time.Duration) string {
-	t.Helper()
-	name := fmt.Sprintf("idem_%d", tableSeq.Add(1))
-	ctx := context.Background()
-	if err := MigrateWith(ctx, db, MigrateOptions{Table: name, PartitionInterval: interval}); err != nil {
-		t.Fatal(err)
-	}
-	if err := addPastPartition(ctx, db, name); err != nil {
-		t.Fatal(err)
-	}
-	return name
-}
-
-// addPastPartition adds a partition from MINVALUE to the lowest partition
-// of the table name, for keys dated back.
-func addPastPartition(ctx context.Context, db *sql.DB, name string) error {
-	tbl, err := parseTable(name)
-	if err != nil {
-		return err
-	}
-	tx, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback() }()
-	parts, err := listPartitions(ctx, tx, tbl)
-	if err != nil {
-		return err
-	}
-	if len(parts) == 0 || parts[0].From.IsZero() {
-		return fmt.Errorf("table %s: no partitions, or one from MINVALUE already", name)
-	}
-	if err := createPartition(ctx, tx, tbl, time.Time{}, parts[0].From); err != nil {
-		return err
-	}
-	return tx.Commit()
+// migrateTable is MigrateWith, for testdb.Tables.
+func migrateTable(ctx context.Context, db *sql.DB, name string, interval time.Duration) error {
+	return MigrateWith(ctx, db, MigrateOptions{Table: name, PartitionInterval: interval})
 }

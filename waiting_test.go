@@ -1,9 +1,7 @@
 package idem_test
 
 import (
-	"crypto/rand"
 	"database/sql"
-	"encoding/hex"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -11,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -249,18 +248,7 @@ func TestHotKeyDoesNotStarveOtherEvents(t *testing.T) {
 // given (e.g. "SET lock_timeout = '7s'"), dropped when t ends.
 func newRole(t testing.TB, admin *sql.DB, setting string) string {
 	t.Helper()
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	role := "idem_role_" + hex.EncodeToString(b[:])
-	_, err := admin.Exec(`CREATE ROLE ` + role + ` LOGIN SUPERUSER`)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = admin.Exec(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '` + role + `'`)
-		_, _ = admin.Exec(`DROP ROLE ` + role)
-	})
-	_, err = admin.Exec(`ALTER ROLE ` + role + ` ` + setting)
-	require.NoError(t, err)
-	return role
+	return testdb.NewRole(t, admin, setting)
 }
 
 // openPoolURL opens a pool on dsn, capped at max connections.

@@ -19,8 +19,9 @@ once='^(TestDocCodeCompiles|TestGuaranteesNameRealTests)$'
 root_sql() { go test -race -count=1 ./...; }
 root_pgx() { IDEM_ADAPTER=pgx go test -race -count=1 -skip "$once" .; }
 # The behaviour suite again on partitioned tables (docs/partitioning.md):
-# every test table range-partitioned by day, on both adapters.
-partitioned() { IDEM_ADAPTER=$1 IDEM_LAYOUT=partitioned go test -race -count=1 -skip "$once" .; }
+# every test table range-partitioned by day, on both adapters (and the
+# operations package's own tests, which use no adapter, once).
+partitioned() { IDEM_ADAPTER=$1 IDEM_LAYOUT=partitioned go test -race -count=1 -skip "$once" . "${@:2}"; }
 # The waiting-duplicates cases depend on timing: run them again, on both
 # adapters, so that a lucky pass cannot hide a race.
 waiting() {
@@ -45,7 +46,7 @@ bench_module() {
 
 together "root module, database/sql adapter: go test -race ./..." root_sql \
   -- "root module, pgx adapter (IDEM_ADAPTER=pgx)" root_pgx
-together "partitioned tables, database/sql adapter" partitioned sql \
+together "partitioned tables, database/sql adapter" partitioned sql ./idemops \
   -- "partitioned tables, pgx adapter" partitioned pgx \
   -- "waiting duplicates, 3 times, database/sql adapter" waiting sql \
   -- "waiting duplicates, 3 times, pgx adapter" waiting pgx

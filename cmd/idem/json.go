@@ -5,7 +5,7 @@ import (
 	"io"
 	"time"
 
-	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 )
 
 // The documents of check -json and stats -json (docs/operations.md has the
@@ -73,7 +73,7 @@ type keyDoc struct {
 	ClaimedAt string `json:"claimed_at"`
 }
 
-func reportJSON(r *idem.Report) checkDoc {
+func reportJSON(r *idemops.Report) checkDoc {
 	d := checkDoc{
 		Status: r.Severity().String(), CheckedAt: stamp(r.CheckedAt),
 		Table: r.Table, TableBytes: r.TableBytes, Keys: r.Rows,
@@ -93,7 +93,7 @@ func reportJSON(r *idem.Report) checkDoc {
 		ExpiredLeaseKeys: keyDocs(r.ExpiredLeaseKeys),
 	}
 	if r.Partitioned {
-		d.Partitions = &partitionDoc{Count: r.Partitions, Ahead: r.PartitionsAhead, Until: stampOrNull(r.PartitionedUntil)}
+		d.Partitions = &partitionDoc{Count: len(r.Partitions), Ahead: r.PartitionsAhead, Until: stampOrNull(r.PartitionedUntil)}
 		if r.CurrentPartition != "" {
 			d.Partitions.Current = &r.CurrentPartition
 		}
@@ -107,7 +107,7 @@ func reportJSON(r *idem.Report) checkDoc {
 	return d
 }
 
-func keyDocs(keys []idem.UnansweredKey) []keyDoc {
+func keyDocs(keys []idemops.UnansweredKey) []keyDoc {
 	out := []keyDoc{}
 	for _, k := range keys {
 		out = append(out, keyDoc{k.Key.Source, k.Key.EventID, stamp(k.ClaimedAt)})
@@ -149,7 +149,7 @@ type sourceDoc struct {
 	Newest     string `json:"newest"`
 }
 
-func statsJSON(s *idem.TableStats) statsDoc {
+func statsJSON(s *idemops.TableStats) statsDoc {
 	d := statsDoc{
 		Table: s.Table, TableBytes: s.TableBytes, Keys: s.Rows, Completed: s.Completed, Unanswered: s.Unanswered,
 		LiveLeases: s.LiveLeases, ExpiredLeases: s.ExpiredLeases, InFlight: s.InFlight,

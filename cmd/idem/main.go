@@ -36,6 +36,7 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/internal/migration"
 )
 
@@ -213,14 +214,14 @@ func migrated(table string, r migration.Result) string {
 }
 
 func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
-	retention := fs.Duration("retention", idem.DefaultRetention, "delete keys claimed longer ago than this; at least 72h unless -unsafe-short-retention")
+	retention := fs.Duration("retention", idemops.DefaultRetention, "delete keys claimed longer ago than this; at least 72h unless -unsafe-short-retention")
 	unsafe := fs.Bool("unsafe-short-retention", false, "accept a retention under 72h: a key deleted while its sender still retries runs the handler twice")
-	batch := fs.Int("batch", idem.DefaultSweepBatch, "the most keys one transaction deletes")
-	maxBatches := fs.Int("max-batches", idem.DefaultSweepMaxBatches, "the most batches of this run")
-	pause := fs.Duration("pause", idem.DefaultSweepPause, "the pause between batches (0: none)")
+	batch := fs.Int("batch", idemops.DefaultSweepBatch, "the most keys one transaction deletes")
+	maxBatches := fs.Int("max-batches", idemops.DefaultSweepMaxBatches, "the most batches of this run")
+	pause := fs.Duration("pause", idemops.DefaultSweepPause, "the pause between batches (0: none)")
 	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
-		opts := idem.SweepOptions{
+		opts := idemops.SweepOptions{
 			Table: table, Retention: *retention, UnsafeShortRetention: *unsafe,
 			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause, PartitionsAhead: *ahead,
 			Logger: slog.New(slog.DiscardHandler), // the command prints its own summary
@@ -235,7 +236,7 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		case *pause == 0:
 			opts.Pause = -1 // none; 0 would mean the library's default
 		}
-		res, err := idem.Sweep(ctx, db, opts)
+		res, err := idemops.Sweep(ctx, db, opts)
 		line := fmt.Sprintf("removed %d expired keys from %q in %d %s (retention %v, %v)",
 			res.Removed, table, res.Batches, plural(res.Batches, "batch", "batches"), *retention, res.Duration.Round(time.Millisecond))
 		if res.PartitionsDropped+res.PartitionsCreated > 0 || res.Batches == 0 {
@@ -258,10 +259,10 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 }
 
 func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
-	horizon := fs.Duration("horizon", idem.DefaultHorizon, "the longest retry horizon of the table's senders: keys must live longer")
-	retention := fs.Duration("retention", idem.DefaultRetention, "the sweeper's -retention")
-	stuck := fs.Duration("stuck-after", idem.DefaultStuckAfter, "report claims in flight for longer than this")
-	grace := fs.Duration("overdue-grace", idem.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
+	horizon := fs.Duration("horizon", idemops.DefaultHorizon, "the longest retry horizon of the table's senders: keys must live longer")
+	retention := fs.Duration("retention", idemops.DefaultRetention, "the sweeper's -retention")
+	stuck := fs.Duration("stuck-after", idemops.DefaultStuckAfter, "report claims in flight for longer than this")
+	grace := fs.Duration("overdue-grace", idemops.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
 	asJSON := fs.Bool("json", false, "print the report as one JSON document (docs/operations.md); the exit code is the same")
 	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
 		for name, d := range map[string]time.Duration{"-horizon": *horizon, "-retention": *retention, "-stuck-after": *stuck, "-overdue-grace": *grace} {
@@ -269,7 +270,7 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 				return 0, fmt.Errorf("%s must be positive", name)
 			}
 		}
-		r, err := idem.Check(ctx, db, idem.CheckOptions{
+		r, err := idemops.Check(ctx, db, idemops.CheckOptions{
 			Table: table, Horizon: *horizon, Retention: *retention, StuckAfter: *stuck, OverdueGrace: *grace,
 		})
 		if err != nil {
@@ -284,16 +285,16 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 			return 0, err
 		}
 		switch r.Severity() {
-		case idem.SeverityOK:
+		case idemops.SeverityOK:
 			return exitOK, nil
-		case idem.SeverityWarning:
+		case idemops.SeverityWarning:
 			return exitWarning, nil
 		}
 		return exitCritical, nil
 	}
 }
 
-func printReport(w io.Writer, r *idem.Report) {
+func printReport(w io.Writer, r *idemops.Report) {
 	fmt.Fprintf(w, "status: %s\n", r.Severity())
 	fmt.Fprintf(w, "table: %s (%s)\n", r.Table, size(r.TableBytes))
 	fmt.Fprintf(w, "keys: %d\n", r.Rows)
@@ -307,7 +308,7 @@ func printReport(w io.Writer, r *idem.Report) {
 		if current == "" {
 			current = "none"
 		}
-		fmt.Fprintf(w, "partitions: %d (current: %s; %d ready ahead, until %s)\n", r.Partitions, current, r.PartitionsAhead, stampOrNone(r.PartitionedUntil))
+		fmt.Fprintf(w, "partitions: %d (current: %s; %d ready ahead, until %s)\n", len(r.Partitions), current, r.PartitionsAhead, stampOrNone(r.PartitionedUntil))
 	}
 	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
 	fmt.Fprintf(w, "leases: %d live, %d expired (lease mode: handlers at work, and crashed originals awaiting a redelivery)\n", r.LiveLeases, r.ExpiredLeases)
@@ -329,7 +330,7 @@ func printReport(w io.Writer, r *idem.Report) {
 	}
 }
 
-func printKeys(w io.Writer, keys []idem.UnansweredKey) {
+func printKeys(w io.Writer, keys []idemops.UnansweredKey) {
 	for _, k := range keys {
 		fmt.Fprintf(w, "  source %q event_id %q, claimed %s\n", k.Key.Source, k.Key.EventID, k.ClaimedAt.UTC().Format(time.RFC3339))
 	}
@@ -342,7 +343,7 @@ func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		if *sources <= 0 {
 			return 0, errors.New("-sources must be positive")
 		}
-		s, err := idem.Stats(ctx, db, idem.StatsOptions{Table: table, MaxSources: *sources})
+		s, err := idemops.Stats(ctx, db, idemops.StatsOptions{Table: table, MaxSources: *sources})
 		if err != nil {
 			return 0, err
 		}

@@ -51,7 +51,7 @@ type order struct {
 func ordersCreate(w http.ResponseWriter, r *http.Request) {
 	var o order
 	if err := json.NewDecoder(r.Body).Decode(&o); err != nil || o.ID == 0 || o.TotalPrice == "" {
-		// 4xx is not cached: the claim rolls back, and nothing is stored.
+		// 4xx is not final: the claim rolls back, and nothing is stored.
 		http.Error(w, "not an order", http.StatusBadRequest)
 		return
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/internal/pgcluster"
 	"github.com/stretchr/testify/require"
 )
@@ -310,14 +311,14 @@ func newPair(t *testing.T, s *pgcluster.Set, name string, synchronous bool) (pri
 	return primary, standby, adm, walsender
 }
 
-// check runs idem.Check on c as an operator would (with the server's own
+// check runs idemops.Check on c as an operator would (with the server's own
 // synchronous_commit) and returns what it says of durability.
-func check(t *testing.T, c *pgcluster.Cluster) idem.Durability {
+func check(t *testing.T, c *pgcluster.Cluster) idemops.Durability {
 	t.Helper()
 	db, err := c.Open("postgres")
 	require.NoError(t, err)
 	defer db.Close()
-	r, err := idem.Check(context.Background(), db, idem.CheckOptions{})
+	r, err := idemops.Check(context.Background(), db, idemops.CheckOptions{})
 	require.NoError(t, err)
 	require.Empty(t, r.Findings, "durability is never a finding")
 	return r.Durability

@@ -5,14 +5,18 @@
 package testdb
 
 import (
+	"context"
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"net/url"
 	"os"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
+
+	"github.com/pgidem/idem/internal/catalog"
 )
 
 // DefaultURL is the server the tests use when DATABASE_URL is not set.
@@ -57,4 +61,29 @@ func Drop(name string) error {
 	defer admin.Close()
 	_, err = admin.Exec("DROP DATABASE IF EXISTS " + name + " WITH (FORCE)")
 	return err
+}
+
+// AddPastPartition adds a partition from MINVALUE to the lowest partition
+// of the partitioned table name, for keys dated back.
+func AddPastPartition(ctx context.Context, db *sql.DB, name string) error {
+	tbl, err := catalog.ParseTable(name)
+	if err != nil {
+		return err
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	parts, err := catalog.ListPartitions(ctx, tx, tbl)
+	if err != nil {
+		return err
+	}
+	if len(parts) == 0 || parts[0].From.IsZero() {
+		return fmt.Errorf("table %s: no partitions, or one from MINVALUE already", name)
+	}
+	if err := catalog.CreatePartition(ctx, tx, tbl, time.Time{}, parts[0].From); err != nil {
+		return err
+	}
+	return tx.Commit()
 }

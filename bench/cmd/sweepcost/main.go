@@ -31,6 +31,7 @@ import (
 
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -145,9 +146,9 @@ SELECT 'stripe', 'live_' || g, sha256(g::text::bytea), 200, '\x00', now() FROM g
 	if err := db.QueryRowContext(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&before); err != nil {
 		return result{}, err
 	}
-	res, err := idem.Sweep(ctx, db, idem.SweepOptions{
+	res, err := idemops.Sweep(ctx, db, idemops.SweepOptions{
 		Table: table, Retention: 30 * 24 * time.Hour, Pause: -1,
-		BatchSize: idem.DefaultSweepBatch, MaxBatches: n/idem.DefaultSweepBatch + 2,
+		BatchSize: idemops.DefaultSweepBatch, MaxBatches: n/idemops.DefaultSweepBatch + 2,
 	})
 	if err != nil {
 		return result{}, err

@@ -1,4 +1,4 @@
-package idem
+package idemops
 
 import (
 	"context"
@@ -7,6 +7,9 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/catalog"
 )
 
 // Retention and sweep defaults, for the zero values of SweepOptions.
@@ -45,8 +48,8 @@ var ErrUnsafeRetention = errors.New("idem: retention shorter than the providers'
 // SweepOptions configures Sweep and RunSweeper. The zero value of every field
 // means its documented default.
 type SweepOptions struct {
-	// Table is the idempotency table, "" for DefaultTable; a name as
-	// Options.Table takes it.
+	// Table is the idempotency table, "" for idem.DefaultTable; a name as
+	// idem.Options.Table takes it.
 	Table string
 
 	// Retention is how long a key is kept after its claim: a key whose
@@ -89,8 +92,8 @@ type SweepOptions struct {
 	Observer func(SweepResult, error)
 
 	// PartitionsAhead is how many partitions after the current one a sweep
-	// of a partitioned table keeps ready (see MigrateOptions). 0 means
-	// DefaultPartitionsAhead (3).
+	// of a partitioned table keeps ready (see idem.MigrateOptions). 0 means
+	// idem.DefaultPartitionsAhead (3).
 	PartitionsAhead int
 }
 
@@ -109,7 +112,7 @@ type SweepResult struct {
 
 // sweeper is a validated SweepOptions.
 type sweeper struct {
-	table      table
+	table      catalog.Table
 	deleteSQL  string
 	retention  time.Duration
 	batch      int
@@ -121,7 +124,7 @@ type sweeper struct {
 }
 
 func newSweeper(opts SweepOptions) (*sweeper, error) {
-	t, err := parseTable(opts.Table)
+	t, err := catalog.ParseTable(opts.Table)
 	if err != nil {
 		return nil, err
 	}
@@ -133,10 +136,13 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 		pause:      opts.Pause,
 		logger:     opts.Logger,
 		observer:   opts.Observer,
-		ahead:      MigrateOptions{PartitionsAhead: opts.PartitionsAhead}.ahead(),
+		ahead:      opts.PartitionsAhead,
 	}
 	if opts.PartitionsAhead < 0 {
 		return nil, fmt.Errorf("idem: sweep: partitions ahead %d is negative", opts.PartitionsAhead)
+	}
+	if s.ahead == 0 {
+		s.ahead = idem.DefaultPartitionsAhead
 	}
 	switch {
 	case s.retention == 0:
@@ -165,7 +171,7 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 	case s.pause < 0:
 		s.pause = 0
 	}
-	q := t.quoted
+	q := t.Quoted
 	// One statement is one short transaction. The keys are chosen and
 	// locked first, skipping rows another transaction has locked (a
 	// concurrent sweep, an operator's UPDATE), and deleted by primary key:
@@ -211,25 +217,25 @@ func (s *sweeper) run(ctx context.Context, db *sql.DB) (res SweepResult, err err
 		res.Duration = time.Since(start)
 		s.report(ctx, res, err)
 	}()
-	if kind, err := relKind(ctx, db, s.table); err != nil {
-		return res, fmt.Errorf("idem: sweep %s: %w", s.table.name, err)
+	if kind, err := catalog.RelKind(ctx, db, s.table); err != nil {
+		return res, fmt.Errorf("idem: sweep %s: %w", s.table.Name, err)
 	} else if kind == 'p' {
 		return s.runPartitions(ctx, db)
 	}
 	for res.Batches < s.maxBatches {
 		if res.Batches > 0 && s.pause > 0 {
 			if err := sleep(ctx, s.pause); err != nil {
-				return res, fmt.Errorf("idem: sweep %s: %w", s.table.name, err)
+				return res, fmt.Errorf("idem: sweep %s: %w", s.table.Name, err)
 			}
 		}
 		n, err := s.batchOnce(ctx, db)
 		if err != nil {
-			return res, fmt.Errorf("idem: sweep %s: batch %d: %w", s.table.name, res.Batches+1, err)
+			return res, fmt.Errorf("idem: sweep %s: batch %d: %w", s.table.Name, res.Batches+1, err)
 		}
 		res.Batches++
 		res.Removed += n
 		s.logr().LogAttrs(ctx, slog.LevelDebug, "idem: sweep batch",
-			slog.String("table", s.table.name), slog.Int("batch", res.Batches), slog.Int64("removed", n))
+			slog.String("table", s.table.Name), slog.Int("batch", res.Batches), slog.Int64("removed", n))
 		if n < int64(s.batch) {
 			return res, nil
 		}
@@ -253,7 +259,7 @@ func (s *sweeper) report(ctx context.Context, res SweepResult, err error) {
 	}
 	log := s.logr()
 	attrs := []slog.Attr{
-		slog.String("table", s.table.name),
+		slog.String("table", s.table.Name),
 		slog.Int64("removed", res.Removed),
 		slog.Int("batches", res.Batches),
 		slog.Bool("capped", res.Capped),

@@ -1,10 +1,12 @@
-package idem
+package idemops
 
 import (
 	"context"
 	"database/sql"
 	"fmt"
 	"time"
+
+	"github.com/pgidem/idem/internal/catalog"
 )
 
 // What Check and Stats say about a partitioned table's partitions.
@@ -21,8 +23,9 @@ func treeSQL(param string) string {
 type PartitionReport struct {
 	// Partitioned is true when the table is partitioned.
 	Partitioned bool
-	// Partitions counts its partitions.
-	Partitions int
+	// Partitions lists its partitions, the oldest first, as
+	// TableStats.Partitions does (without their keys).
+	Partitions []Partition
 	// CurrentPartition is the partition that holds now(), where new claims
 	// go; "" when there is none, and every claim fails.
 	CurrentPartition string
@@ -32,28 +35,34 @@ type PartitionReport struct {
 	PartitionedUntil time.Time
 }
 
-// PartitionStats is one partition, for Stats.
-type PartitionStats struct {
-	Name     string
+// Partition is one partition of a partitioned table.
+type Partition struct {
+	Name     string    // in the table's schema
 	From, To time.Time // its bounds; zero when unbounded
-	Rows     int64     // committed keys
-	Bytes    int64     // with its indexes and TOAST
+}
+
+// PartitionStats is one partition with its keys, for Stats.
+type PartitionStats struct {
+	Partition
+	Rows  int64 // committed keys
+	Bytes int64 // with its indexes and TOAST
 }
 
 // read fills p when t is partitioned and returns the time before which
 // keys count as overdue: the end of the newest partition that ended more
 // than overdue ago, so one the sweep should have dropped (-infinity when
 // none did). For a plain table it returns nil: overdue counts by key.
-func (p *PartitionReport) read(ctx context.Context, tx *sql.Tx, t table, overdue time.Duration) (any, error) {
+func (p *PartitionReport) read(ctx context.Context, tx *sql.Tx, t catalog.Table, overdue time.Duration) (any, error) {
 	parts, now, err := partitionsAt(ctx, tx, t)
 	if err != nil || parts == nil {
 		return nil, err
 	}
 	p.Partitioned = true
-	p.Partitions = len(parts)
+	p.Partitions = make([]Partition, 0, len(parts))
 	cutoff := now.Add(-overdue)
 	before := "-infinity"
 	for _, part := range parts {
+		p.Partitions = append(p.Partitions, Partition{Name: part.Name, From: part.From, To: part.To})
 		switch {
 		case part.Default:
 			continue
@@ -73,18 +82,18 @@ func (p *PartitionReport) read(ctx context.Context, tx *sql.Tx, t table, overdue
 
 // partitionsAt lists t's partitions, with the database's now(); nil
 // partitions (and no error) when t is not partitioned.
-func partitionsAt(ctx context.Context, tx *sql.Tx, t table) ([]partition, time.Time, error) {
+func partitionsAt(ctx context.Context, tx *sql.Tx, t catalog.Table) ([]catalog.Partition, time.Time, error) {
 	var now time.Time
-	kind, err := relKind(ctx, tx, t)
+	kind, err := catalog.RelKind(ctx, tx, t)
 	if err != nil || kind != 'p' {
 		return nil, now, err
 	}
 	if err := tx.QueryRowContext(ctx, `SELECT now()`).Scan(&now); err != nil {
 		return nil, now, err
 	}
-	parts, err := listPartitions(ctx, tx, t)
+	parts, err := catalog.ListPartitions(ctx, tx, t)
 	if parts == nil {
-		parts = []partition{}
+		parts = []catalog.Partition{}
 	}
 	return parts, now, err
 }
@@ -117,13 +126,13 @@ func stampOrNone(t time.Time) string {
 
 // readPartitions fills s's partitions, with their keys counted, when t is
 // partitioned.
-func (s *TableStats) readPartitions(ctx context.Context, tx *sql.Tx, t table) error {
+func (s *TableStats) readPartitions(ctx context.Context, tx *sql.Tx, t catalog.Table) error {
 	parts, now, err := partitionsAt(ctx, tx, t)
 	if err != nil || parts == nil {
 		return err
 	}
 	for _, p := range parts {
-		ps := PartitionStats{Name: p.Name, From: p.From, To: p.To}
+		ps := PartitionStats{Partition: Partition{Name: p.Name, From: p.From, To: p.To}}
 		err := tx.QueryRowContext(ctx, `SELECT count(*), pg_total_relation_size(to_regclass($1)) FROM `+p.Quoted, p.Quoted).Scan(&ps.Rows, &ps.Bytes)
 		if err != nil {
 			return err

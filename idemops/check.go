@@ -1,13 +1,15 @@
-package idem
+package idemops
 
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"sort"
 	"strconv"
 	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/catalog"
 )
 
 // Check defaults, for the zero values of CheckOptions.
@@ -18,7 +20,7 @@ const (
 
 	// DefaultStuckAfter is how long a claim may stay in flight before Check
 	// reports it, when CheckOptions.StuckAfter is 0. The middleware bounds
-	// a claim by Options.HandlerTimeout (30s by default), so a claim open
+	// a claim by idem.Options.HandlerTimeout (30s by default), so a claim open
 	// for minutes is held by something the middleware cannot end.
 	DefaultStuckAfter = 5 * time.Minute
 
@@ -63,7 +65,6 @@ type Finding struct {
 	Severity Severity
 	// Check names the assertion, stable for alert routing:
 	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
-	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
 	// "expired_leases", "claims_not_visible", "keys_younger_than_horizon",
 	// "overdue_keys", and on a partitioned table "no_current_partition",
 	// "few_partitions_ahead".
@@ -77,8 +78,8 @@ type Finding struct {
 // CheckOptions configures Check. The zero value of every field means its
 // documented default.
 type CheckOptions struct {
-	// Table is the idempotency table, "" for DefaultTable; a name as
-	// Options.Table takes it.
+	// Table is the idempotency table, "" for idem.DefaultTable; a name as
+	// idem.Options.Table takes it.
 	Table string
 
 	// Horizon is the longest retry horizon of the table's senders: keys
@@ -118,7 +119,7 @@ type InFlightClaim struct {
 
 // UnansweredKey is a committed key without a stored answer.
 type UnansweredKey struct {
-	Key       Key
+	Key       idem.Key
 	ClaimedAt time.Time
 }
 
@@ -203,12 +204,12 @@ func (r *Report) Severity() Severity {
 // Horizon although keys have been deleted); keys overdue for the sweeper
 // (warning); claim sessions the checking role may not see (warning).
 func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) {
-	t, err := parseTable(opts.Table)
+	t, err := catalog.ParseTable(opts.Table)
 	if err != nil {
 		return nil, err
 	}
 	r := &Report{
-		Table:        t.name,
+		Table:        t.Name,
 		Horizon:      orDefault(opts.Horizon, DefaultHorizon),
 		Retention:    orDefault(opts.Retention, DefaultRetention),
 		StuckAfter:   orDefault(opts.StuckAfter, DefaultStuckAfter),
@@ -239,7 +240,7 @@ func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) 
        count(*) FILTER (WHERE completed_at IS NULL AND lease_until < now()),
        (SELECT sum(pg_total_relation_size(relid))::bigint FROM `+treeSQL("$2")+`),
        (SELECT coalesce(sum(pg_stat_get_tuples_deleted(relid)), 0)::bigint FROM `+treeSQL("$2")+`)
-FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted, overdueBefore).
+FROM `+t.Quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.Quoted, overdueBefore).
 			Scan(&r.CheckedAt, &r.Rows, &oldest, &r.OverdueRows, &r.Unanswered, &r.LiveLeases, &r.ExpiredLeases, &r.TableBytes, &r.Deleted)
 		if err != nil {
 			return err
@@ -277,7 +278,7 @@ FROM `+t.quoted, (r.Retention+r.OverdueGrace).Microseconds(), t.quoted, overdueB
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("idem: check %s: %w", t.name, err)
+		return nil, fmt.Errorf("idem: check %s: %w", t.Name, err)
 	}
 	r.Findings = findings(r)
 	return r, nil
@@ -341,231 +342,4 @@ func findings(r *Report) []Finding {
 func describeKeys(keys []UnansweredKey) string {
 	k := keys[0].Key
 	return strconv.Quote(k.Source) + "/" + strconv.Quote(k.EventID)
-}
-
-// readOnly runs f in a read-only REPEATABLE READ transaction: one snapshot
-// and one now() for every query of a report.
-func readOnly(ctx context.Context, db *sql.DB, f func(*sql.Tx) error) error {
-	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead, ReadOnly: true})
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback() }()
-	if err := f(tx); err != nil {
-		return err
-	}
-	return tx.Commit()
-}
-
-// errNoTable is returned when the table does not exist.
-var errNoTable = errors.New("the table does not exist (run Migrate, or idem migrate)")
-
-func tableExists(ctx context.Context, tx *sql.Tx, t table) error {
-	var ok bool
-	if err := tx.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.quoted).Scan(&ok); err != nil {
-		return err
-	}
-	if !ok {
-		return errNoTable
-	}
-	return nil
-}
-
-// listKeys lists the oldest keys without an answer that match cond.
-func listKeys(ctx context.Context, tx *sql.Tx, t table, cond string) ([]UnansweredKey, error) {
-	rows, err := tx.QueryContext(ctx, `SELECT source, event_id, claimed_at FROM `+t.quoted+`
-WHERE completed_at IS NULL AND `+cond+` ORDER BY claimed_at LIMIT `+strconv.Itoa(maxListed))
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []UnansweredKey
-	for rows.Next() {
-		var k UnansweredKey
-		if err := rows.Scan(&k.Key.Source, &k.Key.EventID, &k.ClaimedAt); err != nil {
-			return nil, err
-		}
-		out = append(out, k)
-	}
-	return out, rows.Err()
-}
-
-// inFlightClaims lists the open claim transactions on the table, oldest
-// first. A claim in flight is an uncommitted insert, invisible to every
-// other session, and holds a transaction-level advisory lock on its key
-// until it ends: so a claim is a session of this database that holds a
-// granted advisory lock on a bigint key and a lock on the table (taken by
-// its INSERT, or by the read of a claim that inserts its row at the end, as
-// idempgx does), the locks every claim transaction holds to its end. A
-// duplicate in the few milliseconds between taking the lock and rolling
-// back matches too; a sweep (no advisory lock) or a session waiting for a
-// lock it does not hold does not.
-func inFlightClaims(ctx context.Context, tx *sql.Tx, t table) ([]InFlightClaim, error) {
-	rows, err := tx.QueryContext(ctx, `WITH d AS (SELECT oid FROM pg_database WHERE datname = current_database())
-SELECT a.pid, a.xact_start, coalesce(extract(epoch FROM now() - a.xact_start), 0)::float8,
-       coalesce(a.state, ''), coalesce(a.wait_event_type || ':' || a.wait_event, ''),
-       coalesce(a.application_name, ''), coalesce(host(a.client_addr), ''), coalesce(left(a.query, 200), '')
-FROM pg_stat_activity a
-WHERE a.pid <> pg_backend_pid()
-  AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
-              AND l.locktype = 'relation' AND l.relation = to_regclass($1))
-  AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
-              AND l.locktype = 'advisory' AND l.objsubid = 1)
-ORDER BY a.xact_start NULLS FIRST, a.pid`, t.quoted)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []InFlightClaim
-	for rows.Next() {
-		var (
-			c     InFlightClaim
-			start sql.NullTime
-			age   float64
-		)
-		if err := rows.Scan(&c.PID, &start, &age, &c.State, &c.WaitEvent, &c.Application, &c.Client, &c.Query); err != nil {
-			return nil, err
-		}
-		if start.Valid {
-			c.XactStart = start.Time
-			c.Age = time.Duration(age * float64(time.Second))
-		}
-		out = append(out, c)
-	}
-	return out, rows.Err()
-}
-
-// StatsOptions configures Stats. The zero value of every field means its
-// documented default.
-type StatsOptions struct {
-	// Table is the idempotency table, "" for DefaultTable; a name as
-	// Options.Table takes it.
-	Table string
-	// MaxSources is how many sources TableStats lists, the busiest first.
-	// 0 means 100.
-	MaxSources int
-}
-
-// SourceStats are the committed keys of one source.
-type SourceStats struct {
-	Source     string
-	Completed  int64     // keys with a stored answer
-	Unanswered int64     // keys committed without an answer (see Check)
-	Leases     int64     // lease-mode keys in progress, live or expired
-	Oldest     time.Time // claimed_at of its oldest key
-	Newest     time.Time // claimed_at of its newest key
-}
-
-// TableStats describes the idempotency table.
-type TableStats struct {
-	Table      string
-	Rows       int64 // committed keys
-	Completed  int64
-	Unanswered int64
-	// Lease mode: keys in progress whose lease still runs, and those whose
-	// lease ran out without an answer (crashed originals; see Check).
-	LiveLeases, ExpiredLeases int64
-	// InFlight counts the claims in flight: their keys are uncommitted
-	// and invisible, so they are counted by session, not by source.
-	InFlight   int
-	Oldest     time.Time // zero when the table is empty
-	Newest     time.Time
-	TableBytes int64
-	// Partitions lists a partitioned table's partitions, the oldest first,
-	// with their keys; PartitionsAhead counts those wholly after now. Both
-	// are empty on a plain table.
-	Partitions      []PartitionStats
-	PartitionsAhead int
-	// Sources are the busiest sources, by committed keys;
-	// OtherSources counts those left out by MaxSources.
-	Sources      []SourceStats
-	OtherSources int
-}
-
-// Stats counts the committed keys by source, completed and unanswered, with
-// the oldest and newest key of each, and the claims in flight. Like Check,
-// it reads the whole table once, in one read-only snapshot (a partitioned
-// table's partitions are then counted once more, one by one).
-func Stats(ctx context.Context, db *sql.DB, opts StatsOptions) (*TableStats, error) {
-	t, err := parseTable(opts.Table)
-	if err != nil {
-		return nil, err
-	}
-	limit := opts.MaxSources
-	switch {
-	case limit == 0:
-		limit = 100
-	case limit < 0:
-		return nil, fmt.Errorf("idem: stats: MaxSources %d is negative", limit)
-	}
-	s := &TableStats{Table: t.name}
-	err = readOnly(ctx, db, func(tx *sql.Tx) error {
-		if err := tableExists(ctx, tx, t); err != nil {
-			return err
-		}
-		// One scan: the busiest sources, and one total row over all of
-		// them (total = true, with the number of sources).
-		rows, err := tx.QueryContext(ctx, `WITH s AS (
-    SELECT source, count(*) FILTER (WHERE completed_at IS NOT NULL) AS done,
-           count(*) FILTER (WHERE completed_at IS NULL AND lease_until IS NULL) AS open,
-           count(*) FILTER (WHERE completed_at IS NULL AND lease_until >= now()) AS live,
-           count(*) FILTER (WHERE completed_at IS NULL AND lease_until < now()) AS expired,
-           min(claimed_at) AS oldest, max(claimed_at) AS newest
-    FROM `+t.quoted+` GROUP BY source),
-top AS (SELECT * FROM s ORDER BY done + open + live + expired DESC, source LIMIT $1)
-SELECT false, source, done, open, live, expired, oldest, newest, 0 FROM top
-UNION ALL
-SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint, coalesce(sum(live), 0)::bigint,
-       coalesce(sum(expired), 0)::bigint, min(oldest), max(newest), count(*) FROM s`, limit)
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			var (
-				total          bool
-				src            SourceStats
-				live, expired  int64
-				oldest, newest sql.NullTime
-				sources        int
-			)
-			if err := rows.Scan(&total, &src.Source, &src.Completed, &src.Unanswered, &live, &expired, &oldest, &newest, &sources); err != nil {
-				return err
-			}
-			src.Oldest, src.Newest = oldest.Time, newest.Time
-			src.Leases = live + expired
-			if !total {
-				s.Sources = append(s.Sources, src)
-				continue
-			}
-			s.OtherSources = sources
-			s.Completed, s.Unanswered, s.LiveLeases, s.ExpiredLeases = src.Completed, src.Unanswered, live, expired
-			s.Rows = s.Completed + s.Unanswered + live + expired
-			s.Oldest, s.Newest = src.Oldest, src.Newest
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		s.OtherSources -= len(s.Sources)
-		sort.Slice(s.Sources, func(i, j int) bool {
-			a, b := s.Sources[i], s.Sources[j]
-			if n, m := a.Completed+a.Unanswered+a.Leases, b.Completed+b.Unanswered+b.Leases; n != m {
-				return n > m
-			}
-			return a.Source < b.Source
-		})
-		if err := tx.QueryRowContext(ctx, `SELECT sum(pg_total_relation_size(relid))::bigint FROM `+treeSQL("$1"), t.quoted).Scan(&s.TableBytes); err != nil {
-			return err
-		}
-		if err := s.readPartitions(ctx, tx, t); err != nil {
-			return err
-		}
-		claims, err := inFlightClaims(ctx, tx, t)
-		s.InFlight = len(claims)
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("idem: stats %s: %w", t.name, err)
-	}
-	return s, nil
 }
