@@ -53,7 +53,7 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 	if err != nil {
 		_ = t.Rollback(ctx)
 	}
-	if sqlState(err) == driver.NoConflictTarget {
+	if driver.SQLState(err) == driver.NoConflictTarget {
 		// The table has become partitioned (docs/partitioning.md): ask
 		// again, and claim as on one if so.
 		d.layout.Forget()

@@ -74,7 +74,7 @@ func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim
 	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
 		l, err := m.drv.ClaimLease(ctx, a, m.lease, m.lockWait, newToken())
 		switch {
-		case sqlState(err) == "55P03": // the row stayed locked for LockWait: a completion committing
+		case driver.SQLState(err) == "55P03": // the row stayed locked for LockWait: a completion committing
 			return leaseClaim{}, problemFor(ErrInFlight), OutcomeInFlight
 		case retryable(err):
 			lastErr = err

@@ -813,7 +813,7 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 		return tx, driver.Begun{}, errWaitOver
 	}
 	old, err := tx.Wait(ctx, a.Lock, remaining)
-	if sqlState(err) == "55P03" { // lock_not_available: LockWait ran out
+	if driver.SQLState(err) == "55P03" { // lock_not_available: LockWait ran out
 		return tx, driver.Begun{}, errWaitOver
 	}
 	if err != nil {
@@ -860,7 +860,7 @@ func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte
 // retryable reports a serialization failure or a deadlock: the claim is
 // tried again in a new transaction.
 func retryable(err error) bool {
-	switch sqlState(err) {
+	switch driver.SQLState(err) {
 	case "40001", "40P01":
 		return true
 	}
@@ -1058,7 +1058,7 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
 	case errors.Is(err, driver.ErrTxDone):
 		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
-	case sqlState(err) == "25P02": // in_failed_sql_transaction
+	case driver.SQLState(err) == "25P02": // in_failed_sql_transaction
 		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack
 	}
 	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError

@@ -210,7 +210,7 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
-		if sqlState(err) == driver.NoConflictTarget {
+		if driver.SQLState(err) == driver.NoConflictTarget {
 			d.layout.Forget() // the table became partitioned: ask again
 		}
 		_ = t.Rollback(ctx)
@@ -530,7 +530,7 @@ func (t *claimTx) commitWith(ctx context.Context, none error, query string, args
 		err = cerr
 	}
 	switch {
-	case sqlState(err) == "22012": // the division by a count of zero
+	case driver.SQLState(err) == "22012": // the division by a count of zero
 		return fmt.Errorf("%w: %w", none, err)
 	case err != nil:
 		return err
@@ -699,13 +699,4 @@ func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 func (d *pgxDriver) EndLease(ctx context.Context, a *driver.Args, token int64, keep bool) error {
 	_, err := d.pool.Exec(ctx, d.q.EndLease(keep), a.Source, a.EventID, token)
 	return err
-}
-
-// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
-func sqlState(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
 }

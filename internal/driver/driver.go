@@ -144,6 +144,17 @@ var ErrTxEnded = errors.New("the transaction was ended by the handler; its write
 // complete: the handler deleted or completed the key's row itself.
 var ErrNotStored = errors.New("idem: storing the response found no claim to complete")
 
+// SQLState returns the SQLSTATE code of a PostgreSQL error, or "": pgx's
+// *pgconn.PgError and any driver error with the same method. The one place
+// an error's code is read, for the engine and both adapters.
+func SQLState(err error) string {
+	var pe interface{ SQLState() string }
+	if errors.As(err, &pe) {
+		return pe.SQLState()
+	}
+	return ""
+}
+
 // LockTimeout is the lock_timeout setting for a wait of d: whole
 // milliseconds, at least 1 (0 would mean "wait forever").
 func LockTimeout(d time.Duration) string {

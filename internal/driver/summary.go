@@ -82,12 +82,9 @@ func ClaimAgainEverywhere(err error) bool {
 	if errors.Is(err, ErrOutside) {
 		return true
 	}
-	var pe interface{ SQLState() string }
-	if errors.As(err, &pe) {
-		switch pe.SQLState() {
-		case "23514", "42P01", "42P10":
-			return true
-		}
+	switch SQLState(err) {
+	case "23514", "42P01", "42P10":
+		return true
 	}
 	return false
 }
