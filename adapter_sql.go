@@ -75,7 +75,7 @@ func (t *sqlTx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, e
 	var err error
 	b.Won, err = t.Claim(ctx, a)
 	if err == nil && !b.Won {
-		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+		b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	}
 	return b, err
 }
@@ -110,7 +110,7 @@ func (t *sqlTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, 
 
 func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
 	var restored string
-	return scanRow(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+	return driver.Lookup(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout).Scan, &restored)
 }
 
 func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
@@ -181,7 +181,7 @@ func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 	case !errors.Is(err, sql.ErrNoRows):
 		return l, err
 	}
-	l.Row, err = scanRow(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	l.Row, err = driver.Lookup(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return l, err
 }
 
@@ -221,24 +221,4 @@ func (t *sqlTx) Rollback(context.Context) error {
 		return nil
 	}
 	return err
-}
-
-// scanRow reads a lookup's row; extra receives a trailing column.
-func scanRow(r *sql.Row, extra any) (driver.Row, error) {
-	var (
-		c      driver.Row
-		status sql.NullInt32
-		done   sql.NullBool
-	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done, &c.Leased, &c.LeaseLeft}
-	if extra != nil {
-		dest = append(dest, extra)
-	}
-	if err := r.Scan(dest...); err != nil {
-		return c, err
-	}
-	c.Visible = c.Digest != nil
-	c.Completed = done.Valid && done.Bool
-	c.Status = int(status.Int32)
-	return c, nil
 }

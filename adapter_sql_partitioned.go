@@ -96,15 +96,20 @@ func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *driver.Curr
 	if c.ClaimPast == "" {
 		return t.claimPlain(ctx, a)
 	}
-	var began time.Time
-	b, err := scanClaimed(t.tx.QueryRowContext(ctx, c.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock), &began)
-	if err != nil || b.Won || b.Row.Completed {
+	var (
+		b     driver.Begun
+		began time.Time
+		s     driver.Scan // the lock does not matter: the lookup reads it
+		err   error
+	)
+	b.Row, err = s.Read(t.tx.QueryRowContext(ctx, c.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock).Scan, &b.Won, &began)
+	if err != nil || b.Won || b.Row.State == driver.Completed {
 		return b, err
 	}
 	if !c.Holds(began) {
 		return b, driver.ErrOutside
 	}
-	b.Row, err = scanRow(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock), nil)
+	b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return b, err
 }
 
@@ -135,28 +140,10 @@ func (t *sqlTx) claimLockFirst(ctx context.Context, a *driver.Args) (driver.Begu
 // claimOrRead sends ClaimOrRead: the claim when locked and no partition
 // holds the key, else the key's row, if any.
 func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
-	b, err := scanClaimed(t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked), nil)
-	b.Row.GotLock = locked
-	return b, err
-}
-
-// scanClaimed reads the row of ClaimOrRead or ClaimPast: whether it
-// inserted, then (into began, for ClaimPast) the transaction's start, then
-// the key's row it read, if any.
-func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
-	var (
-		b      driver.Begun
-		status sql.NullInt32
-		done   sql.NullBool
-	)
-	dest := []any{&b.Won}
-	if began != nil {
-		dest = append(dest, began)
-	}
-	err := r.Scan(append(dest, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLeft)...)
-	b.Row.Visible = b.Row.Digest != nil
-	b.Row.Completed = done.Valid && done.Bool
-	b.Row.Status = int(status.Int32)
+	var b driver.Begun
+	s := driver.Scan{Locked: locked}
+	var err error
+	b.Row, err = s.Read(t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked).Scan, &b.Won)
 	return b, err
 }
 
@@ -176,17 +163,15 @@ func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	defer func() { _ = tx.Rollback() }()
-	var l driver.Lease
-	if err := tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&l.Row.GotLock); err != nil {
-		return l, err
+	var s driver.Scan
+	if err := tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&s.Locked); err != nil {
+		return driver.Lease{}, err
 	}
 	var (
-		took   sql.NullBool
-		status sql.NullInt32
-		done   sql.NullBool
+		l    driver.Lease
+		took sql.NullBool
 	)
-	err = tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token).
-		Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
+	l.Row, err = s.Read(tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, s.Locked, lease.Microseconds(), token).Scan, &took)
 	if err == nil {
 		err = ctx.Err()
 	}
@@ -196,9 +181,6 @@ func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 	if err != nil {
 		return driver.Lease{}, err
 	}
-	l.Row.Visible = l.Row.Digest != nil
-	l.Row.Completed = done.Valid && done.Bool
-	l.Row.Status = int(status.Int32)
 	if took.Valid {
 		l.Won, l.TookOver, l.Token = true, took.Bool, token
 	}

@@ -36,8 +36,7 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	b, busy, err := d.Begin(ctx, args)
 	require.NoError(t, err, "B neither blocks nor fails on A's uncommitted row")
 	assert.False(t, busy.Won)
-	assert.False(t, busy.Row.GotLock, "B sees the claim in flight")
-	assert.False(t, busy.Row.Visible, "A's uncommitted row is invisible to B")
+	assert.Equal(t, driver.InFlight, busy.Row.State, "B sees the claim in flight, its uncommitted row invisible")
 	require.NoError(t, b.Rollback(ctx))
 
 	require.NoError(t, a.Commit(ctx, args, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
@@ -46,7 +45,7 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	require.NoError(t, err)
 	defer c.Rollback(ctx) //nolint:errcheck
 	assert.False(t, done.Won, "a completed key is never claimed again")
-	assert.True(t, done.Row.Completed, "and its answer is there")
+	assert.Equal(t, driver.Completed, done.Row.State, "and its answer is there")
 	assert.Equal(t, []byte(`{"status":"recorded"}`), done.Row.Body)
 	assert.Equal(t, 200, done.Row.Status)
 	assert.Equal(t, digest[:], done.Row.Digest)
@@ -88,9 +87,7 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 
 	row, err := b.LookupRestoring(ctx, args, old)
 	require.NoError(t, err)
-	assert.True(t, row.GotLock)
-	assert.True(t, row.Visible)
-	assert.True(t, row.Completed)
+	assert.Equal(t, driver.Completed, row.State)
 	assert.Equal(t, 201, row.Status)
 	assert.Equal(t, []byte("done"), row.Body)
 }

@@ -722,28 +722,28 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 			}
 			return storeErr(err)
 		}
-		if !begun.Won && !begun.Row.Visible && !begun.Row.GotLock {
+		if !begun.Won && begun.Row.State == driver.InFlight {
 			// Nothing inserted and the lock is taken: in flight.
 			tx, begun, err = m.waitForOriginal(ctx, tx, a, &deadline, &res.waited)
 		}
 		won, row := begun.Won, begun.Row
 		tookOver := false
 		if err == nil && !won {
-			switch {
-			case row.Leased && !row.LeaseLive() && row.GotLock:
+			switch row.State {
+			case driver.LeaseExpired:
 				// A lease-mode claim whose lease ran out: a crashed (or
 				// frozen) original. Take the key over in this transaction.
 				won, err = tx.TakeOver(ctx, a)
 				tookOver = won
-			case row.Visible:
+			case driver.Free, driver.InFlight: // InFlight: never after a wait, which holds the lock
+				// No row, and the key's lock is this transaction's: the
+				// original rolled back. Claim the key here.
+				won, err = tx.Claim(ctx, a)
+			default:
 				if tx != nil { // nil: the answer was read outside a transaction
 					_ = tx.Rollback(ctx)
 				}
 				return m.answerStored(res, row, a.Digest)
-			default:
-				// No row, and the key's lock is this transaction's: the
-				// original rolled back. Claim the key here.
-				won, err = tx.Claim(ctx, a)
 			}
 		}
 		if err == nil && won {
@@ -802,7 +802,7 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 		// settles it if the original ended meanwhile.
 		var begun driver.Begun
 		var err error
-		if tx, begun, err = m.drv.Begin(ctx, a); err != nil || begun.Won || begun.Row.Visible || begun.Row.GotLock {
+		if tx, begun, err = m.drv.Begin(ctx, a); err != nil || begun.Won || begun.Row.State != driver.InFlight {
 			return tx, begun, err
 		}
 	} else {
@@ -828,14 +828,14 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 // transaction itself), a 409: that key needs an operator.
 func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte) claimResult {
 	switch {
-	case row.Leased:
-		// A lease-mode original is running (or its lease ran out while
-		// another claim held the key's lock).
+	case row.State == driver.LeaseLive:
+		// A lease-mode original is running.
 		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
-		if row.LeaseLive() {
-			res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
-		}
-	case !row.Completed:
+		res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
+	case row.State == driver.LeaseExpired || row.State == driver.TakingOver:
+		// Its lease ran out while another claim held the key's lock.
+		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+	case row.State != driver.Completed:
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
 	case subtle.ConstantTimeCompare(row.Digest, digest) != 1:
 		res.problem, res.outcome = problemFor(ErrPayloadMismatch), OutcomeMismatch

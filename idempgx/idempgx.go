@@ -268,22 +268,28 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 		b.Queue(lock, a.Lock)
 		b.Queue(t.q.Read, a.Source, a.EventID)
 	})
-	var begun driver.Begun
+	var (
+		begun driver.Begun
+		s     driver.Scan
+	)
 	if err == nil && t.current != nil {
 		var began time.Time
-		if err = br.QueryRow().Scan(&begun.Row.GotLock, &began); err == nil && !t.current.Holds(began) {
+		if err = br.QueryRow().Scan(&s.Locked, &began); err == nil && !t.current.Holds(began) {
 			err = driver.ErrOutside
 		}
 	} else if err == nil {
-		err = br.QueryRow().Scan(&begun.Row.GotLock)
+		err = br.QueryRow().Scan(&s.Locked)
 	}
 	if err == nil {
-		begun.Row, err = scanRead(br.QueryRow(), begun.Row)
+		// No row: the key has none (Scan untouched).
+		if begun.Row, err = s.Read(br.QueryRow().Scan); errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	begun.Won = err == nil && begun.Row.GotLock && !begun.Row.Visible
+	begun.Won = err == nil && begun.Row.State == driver.Free
 	t.insertAtEnd = begun.Won
 	return begun, err
 }
@@ -298,30 +304,23 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 func (t *claimTx) claimPast(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock) })
 	var (
-		begun  driver.Begun
-		began  time.Time
-		status *int32
-		done   *bool
+		begun driver.Begun
+		began time.Time
+		s     driver.Scan // the lock does not matter: the lookup reads it
 	)
 	if err == nil {
-		r := &begun.Row
-		err = br.QueryRow().Scan(&begun.Won, &began, &r.Digest, &status, &r.Headers, &r.Body, &done, &r.Leased, &r.LeaseLeft)
+		begun.Row, err = s.Read(br.QueryRow().Scan, &begun.Won, &began)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	begun.Row.Visible = begun.Row.Digest != nil
-	begun.Row.Completed = done != nil && *done
-	if status != nil {
-		begun.Row.Status = int(*status)
-	}
-	if err != nil || begun.Won || begun.Row.Completed {
+	if err != nil || begun.Won || begun.Row.State == driver.Completed {
 		return begun, err
 	}
 	if !t.current.Holds(began) {
 		return begun, driver.ErrOutside
 	}
-	begun.Row, err = scanRow(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	begun.Row, err = driver.Lookup(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return begun, err
 }
 
@@ -349,7 +348,7 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 	b.Queue(t.q.Lookup, a.Source, a.EventID, a.Lock)
 	b.Queue("ROLLBACK")
 	br := t.c.SendBatch(ctx, &b)
-	row, err := scanRow(br.QueryRow(), nil)
+	row, err := driver.Lookup(br.QueryRow().Scan)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -357,43 +356,6 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 		t.open = false
 	}
 	return row, err
-}
-
-// scanRead reads the Read statement's row into row; no row is Visible false.
-func scanRead(r pgx.Row, row driver.Row) (driver.Row, error) {
-	var status *int32
-	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed, &row.Leased, &row.LeaseLeft)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return row, nil
-	}
-	if err != nil {
-		return row, err
-	}
-	row.Visible = true
-	if status != nil {
-		row.Status = int(*status)
-	}
-	return row, nil
-}
-
-// scanRow reads a lookup's row; extra receives a trailing column.
-func scanRow(r pgx.Row, extra any) (driver.Row, error) {
-	var (
-		c      driver.Row
-		status *int32
-	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed, &c.Leased, &c.LeaseLeft}
-	if extra != nil {
-		dest = append(dest, extra)
-	}
-	if err := r.Scan(dest...); err != nil {
-		return c, err
-	}
-	c.Visible = c.Digest != nil
-	if status != nil {
-		c.Status = int(*status)
-	}
-	return c, nil
 }
 
 // claimTx is the claim's transaction, on a connection held from Begin to
@@ -469,7 +431,7 @@ func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string
 
 func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
 	var restored string
-	return scanRow(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+	return driver.Lookup(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout).Scan, &restored)
 }
 
 // Commit sends the stored answer and COMMIT in one round trip. The answer
@@ -601,7 +563,7 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 	case !errors.Is(err, pgx.ErrNoRows):
 		return l, err
 	}
-	l.Row, err = scanRow(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	l.Row, err = driver.Lookup(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return l, err
 }
 
@@ -620,10 +582,10 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 	}
 	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	defer func() { _ = t.Rollback(ctx) }()
-	var l driver.Lease
+	var s driver.Scan
 	br, err := t.sendWith(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(b *pgx.Batch) { b.Queue(d.q.TryLock, a.Lock) })
 	if err == nil {
-		err = br.QueryRow().Scan(&l.Row.GotLock)
+		err = br.QueryRow().Scan(&s.Locked)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -632,14 +594,14 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	var b pgx.Batch
-	b.Queue(d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token)
+	b.Queue(d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, s.Locked, lease.Microseconds(), token)
 	b.Queue("COMMIT")
 	br = t.c.SendBatch(context.WithoutCancel(ctx), &b) // a COMMIT is never cancelled (commitWith)
 	var (
-		took, done *bool
-		status     *int32
+		l    driver.Lease
+		took *bool
 	)
-	err = br.QueryRow().Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
+	l.Row, err = s.Read(br.QueryRow().Scan, &took)
 	if err == nil {
 		_, err = br.Exec()
 	}
@@ -650,11 +612,6 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	t.open = false
-	l.Row.Visible = l.Row.Digest != nil
-	l.Row.Completed = done != nil && *done
-	if status != nil {
-		l.Row.Status = int(*status)
-	}
 	if took != nil {
 		l.Won, l.TookOver, l.Token = true, *took, token
 	}

@@ -109,7 +109,7 @@ ins AS (
 SELECT coalesce((SELECT won FROM ins), false), now(), ` + keyRowColumns
 }
 
-const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,
+const keyRowColumns = `r.payload_digest, coalesce(r.response_status, 0), r.response_headers, r.response_body, coalesce(r.done, false),
        coalesce(r.leased, false), coalesce(r.lease_left, 0)
 FROM (VALUES (1)) AS one LEFT JOIN r ON true`
 

@@ -211,7 +211,7 @@ func (s *Summaries) Answered(ctx context.Context, a *Args, now time.Time) (row R
 		return row, false, nil
 	}
 	err = s.query(ctx, c.answered, []any{a.Source, a.EventID}, func(scan func(...any) error) error {
-		row.Visible, row.Completed = true, true
+		row.State, ok = Completed, true
 		return scan(&row.Digest, &row.Status, &row.Headers, &row.Body)
 	})
 	switch {
@@ -219,10 +219,10 @@ func (s *Summaries) Answered(ctx context.Context, a *Args, now time.Time) (row R
 		return Row{}, false, nil
 	case err != nil:
 		return Row{}, false, err
-	case row.Visible:
+	case ok:
 		s.answers.Add(1)
 	}
-	return row, row.Visible, nil
+	return row, ok, nil
 }
 
 // pick is Fast, uncounted.
