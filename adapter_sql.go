@@ -37,17 +37,17 @@ func (d *sqlDriver) begin(ctx context.Context, q *driver.Queries, opts *sql.TxOp
 	return &sqlTx{tx: tx, q: q}, nil
 }
 
-func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if partitioned {
 		return d.beginPartitioned(ctx, a)
 	}
 	t, err := d.begin(ctx, &d.q, d.opts)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	b, err := t.claimPlain(ctx, a)
 	if err != nil {
@@ -62,9 +62,10 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, b, nil
+	b.Tx = t
+	return b, nil
 }
 
 // claimPlain claims the key with t's plain statements, in its open

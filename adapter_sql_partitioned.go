@@ -53,38 +53,40 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 // the claim past the current partition's end); a claim there that fails
 // for a reason of the partitions' (driver.ClaimAgainEverywhere) is made
 // again across every partition.
-func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
-		return nil, driver.Begun{Row: row}, err
+		return driver.Begun{Answered: ok, Row: row}, err
 	}
 	t, err := d.begin(ctx, &d.q, opts)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if c := d.Summaries().Fast(a, time.Now()); c != nil {
 		t.q = &c.Queries
 		b, err := t.claimCurrent(ctx, a, c)
 		if err == nil {
-			return t, b, nil
+			b.Tx = t
+			return b, nil
 		}
 		_ = t.Rollback(ctx)
 		if !driver.ClaimAgainEverywhere(err) {
-			return nil, driver.Begun{}, err
+			return driver.Begun{}, err
 		}
 		if t, err = d.begin(ctx, &d.q, opts); err != nil {
-			return nil, driver.Begun{}, err
+			return driver.Begun{}, err
 		}
 	}
 	b, err := t.claimLockFirst(ctx, a)
 	if err != nil {
 		_ = t.Rollback(ctx)
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, b, nil
+	b.Tx = t
+	return b, nil
 }
 
 // claimCurrent claims the key on c, the current partition, in t's open

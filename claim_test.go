@@ -28,22 +28,23 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
 	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, begun, err := d.Begin(ctx, args)
+	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
+	a := begun.Tx
 	defer a.Rollback(ctx) //nolint:errcheck // ends a finished tx in the failure paths only
 	assert.True(t, begun.Won, "A wins the free key")
 
-	b, busy, err := d.Begin(ctx, args)
+	busy, err := d.Begin(ctx, args)
 	require.NoError(t, err, "B neither blocks nor fails on A's uncommitted row")
 	assert.False(t, busy.Won)
 	assert.Equal(t, driver.InFlight, busy.Row.State, "B sees the claim in flight, its uncommitted row invisible")
-	require.NoError(t, b.Rollback(ctx))
+	require.NoError(t, busy.Tx.Rollback(ctx))
 
 	require.NoError(t, a.Commit(ctx, args, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
 
-	c, done, err := d.Begin(ctx, args)
+	done, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	defer c.Rollback(ctx) //nolint:errcheck
+	defer done.Tx.Rollback(ctx) //nolint:errcheck
 	assert.False(t, done.Won, "a completed key is never claimed again")
 	assert.Equal(t, driver.Completed, done.Row.State, "and its answer is there")
 	assert.Equal(t, []byte(`{"status":"recorded"}`), done.Row.Body)
@@ -65,12 +66,14 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	digest := sha256.Sum256([]byte("x"))
 	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, begun, err := d.Begin(ctx, args)
+	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
 	require.True(t, begun.Won)
+	a := begun.Tx
 
-	b, busy, err := d.Begin(ctx, args)
+	busy, err := d.Begin(ctx, args)
 	require.NoError(t, err)
+	b := busy.Tx
 	defer b.Rollback(ctx) //nolint:errcheck
 	require.False(t, busy.Won)
 

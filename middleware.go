@@ -714,7 +714,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 		if err := ctx.Err(); err != nil {
 			return storeErr(err)
 		}
-		tx, begun, err := m.drv.Begin(ctx, a)
+		begun, err := m.drv.Begin(ctx, a)
 		if err != nil {
 			if retryable(err) {
 				lastErr = err
@@ -724,9 +724,9 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 		}
 		if !begun.Won && begun.Row.State == driver.InFlight {
 			// Nothing inserted and the lock is taken: in flight.
-			tx, begun, err = m.waitForOriginal(ctx, tx, a, &deadline, &res.waited)
+			begun, err = m.waitForOriginal(ctx, begun.Tx, a, &deadline, &res.waited)
 		}
-		won, row := begun.Won, begun.Row
+		tx, won, row := begun.Tx, begun.Won, begun.Row
 		tookOver := false
 		if err == nil && !won {
 			switch row.State {
@@ -740,7 +740,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 				// original rolled back. Claim the key here.
 				won, err = tx.Claim(ctx, a)
 			default:
-				if tx != nil { // nil: the answer was read outside a transaction
+				if !begun.Answered { // else read outside a transaction
 					_ = tx.Rollback(ctx)
 				}
 				return m.answerStored(res, row, a.Digest)
@@ -750,7 +750,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 			res.tx, res.tookOver = tx, tookOver
 			return res
 		}
-		if tx != nil {
+		if tx != nil { // nil: waitForOriginal gave it back
 			_ = tx.Rollback(ctx)
 		}
 		switch {
@@ -778,49 +778,50 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 // back its own lock_timeout. On success the lock is the transaction's. At
 // most waitLimit claims wait in PostgreSQL at once; the others wait for a
 // slot in memory, having given their connection back. When deadline passes
-// first, the error is errWaitOver; tx may then be nil.
-func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Tx, driver.Begun, error) {
+// first, the error is errWaitOver; the Begun's Tx, the transaction to roll
+// back, may then be nil.
+func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Begun, error) {
 	if deadline.IsZero() {
 		*deadline = time.Now().Add(m.lockWait)
 	}
 	start := time.Now()
 	defer func() { *waited += time.Since(start) }()
 	if time.Until(*deadline) <= 0 {
-		return tx, driver.Begun{}, errWaitOver
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
 	limit := waitLimit(m.drv.PoolCap())
 	if !m.waiting.tryAcquire(limit) {
 		_ = tx.Rollback(ctx)
 		if !m.waiting.acquire(ctx, limit, *deadline) {
 			if err := ctx.Err(); err != nil {
-				return nil, driver.Begun{}, err
+				return driver.Begun{}, err
 			}
-			return nil, driver.Begun{}, errWaitOver
+			return driver.Begun{}, errWaitOver
 		}
 		defer m.waiting.release()
 		// A new transaction, whose claim finds the key as the last did, or
 		// settles it if the original ended meanwhile.
-		var begun driver.Begun
-		var err error
-		if tx, begun, err = m.drv.Begin(ctx, a); err != nil || begun.Won || begun.Row.State != driver.InFlight {
-			return tx, begun, err
+		begun, err := m.drv.Begin(ctx, a)
+		if err != nil || begun.Won || begun.Row.State != driver.InFlight {
+			return begun, err
 		}
+		tx = begun.Tx
 	} else {
 		defer m.waiting.release()
 	}
 	remaining := time.Until(*deadline)
 	if remaining <= 0 {
-		return tx, driver.Begun{}, errWaitOver
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
 	old, err := tx.Wait(ctx, a.Lock, remaining)
 	if driver.SQLState(err) == "55P03" { // lock_not_available: LockWait ran out
-		return tx, driver.Begun{}, errWaitOver
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
 	if err != nil {
-		return tx, driver.Begun{}, err
+		return driver.Begun{Tx: tx}, err
 	}
 	row, err := tx.LookupRestoring(ctx, a, old)
-	return tx, driver.Begun{Row: row}, err
+	return driver.Begun{Tx: tx, Row: row}, err
 }
 
 // answerStored turns a committed row into a replay, a 422, or, for a row

@@ -164,22 +164,22 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // (driver.Summaries), a key whose answer is in one of them is answered by
 // one statement, outside any transaction; any other claims on the current
 // partition, looking in the past partitions that may hold the key first.
-func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	partitioned := false
 	if !d.lockFirst {
 		if err := d.refusePartitioned(ctx); err != nil {
-			return nil, driver.Begun{}, err
+			return driver.Begun{}, err
 		}
 	} else if p, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	} else if partitioned = p; p {
 		if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
-			return nil, driver.Begun{Row: row}, err // answered from a past partition, without a transaction
+			return driver.Begun{Answered: ok, Row: row}, err // answered from a past partition, without a transaction
 		}
 	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	var begun driver.Begun
@@ -214,9 +214,10 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 			d.layout.Forget() // the table became partitioned: ask again
 		}
 		_ = t.Rollback(ctx)
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, begun, nil
+	begun.Tx = t
+	return begun, nil
 }
 
 // refusePartitioned fails claims that insert the key first on a

@@ -151,20 +151,23 @@ type LeaseTx interface {
 // owns the key: its lease ran out and another delivery took the key over.
 var ErrFenced = errors.New("the key's lease ran out and another delivery took it over")
 
-// Begun is what Driver.Begin found: Won when the claim inserted the key;
-// otherwise Row, read by a statement after the claim's.
+// Begun is what Driver.Begin did: Won when the claim inserted the key;
+// otherwise Row, read by a statement after the claim's. Tx is the claim's
+// transaction, open, unless Answered: the key's answer (Row, Completed) was
+// read without a transaction (Summaries.Answered), and Tx is nil.
 type Begun struct {
-	Won bool
-	Row Row
+	Tx       Tx
+	Won      bool
+	Answered bool
+	Row      Row
 }
 
 // Driver begins claims on one database and table.
 type Driver interface {
 	// Begin begins a transaction, claims the key in it and, when the claim
 	// inserted nothing, reads the key's row and lock with a new statement.
-	// On error no transaction is left open. Tx is nil when the key's
-	// answer was read without a transaction (Summaries.Answered).
-	Begin(ctx context.Context, a *Args) (Tx, Begun, error)
+	// On error no transaction is left open.
+	Begin(ctx context.Context, a *Args) (Begun, error)
 	// PoolCap is the connection pool's cap, 0 for none.
 	PoolCap() int
 
