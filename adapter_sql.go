@@ -102,16 +102,13 @@ func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	return won, err
 }
 
-func (t *sqlTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
-	var old string
+func (t *sqlTx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.Row, error) {
+	var old, restored string
 	var locked sql.NullString
-	err := t.tx.QueryRowContext(ctx, t.q.Wait, lock, driver.LockTimeout(d)).Scan(&old, &locked)
-	return old, err
-}
-
-func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
-	var restored string
-	return driver.Lookup(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout).Scan, &restored)
+	if err := t.tx.QueryRowContext(ctx, t.q.Wait, a.Lock, driver.LockTimeout(d)).Scan(&old, &locked); err != nil {
+		return driver.Row{}, err
+	}
+	return driver.Lookup(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, old).Scan, &restored)
 }
 
 func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {

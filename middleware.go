@@ -773,9 +773,8 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 }
 
 // waitForOriginal waits, holding a pooled connection, for the original that
-// holds the key's lock to end, then reads the key's row with a new statement
-// (a statement's snapshot predates its own wait) and gives the transaction
-// back its own lock_timeout. On success the lock is the transaction's. At
+// holds the key's lock to end, and reads the key's row (driver.Tx.Wait). On
+// success the lock is the transaction's. At
 // most waitLimit claims wait in PostgreSQL at once; the others wait for a
 // slot in memory, having given their connection back. When deadline passes
 // first, the error is errWaitOver; the Begun's Tx, the transaction to roll
@@ -813,14 +812,10 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 	if remaining <= 0 {
 		return driver.Begun{Tx: tx}, errWaitOver
 	}
-	old, err := tx.Wait(ctx, a.Lock, remaining)
+	row, err := tx.Wait(ctx, a, remaining)
 	if driver.SQLState(err) == "55P03" { // lock_not_available: LockWait ran out
 		return driver.Begun{Tx: tx}, errWaitOver
 	}
-	if err != nil {
-		return driver.Begun{Tx: tx}, err
-	}
-	row, err := tx.LookupRestoring(ctx, a, old)
 	return driver.Begun{Tx: tx, Row: row}, err
 }
 

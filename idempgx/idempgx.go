@@ -416,9 +416,10 @@ func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 }
 
 // Wait waits for the key's lock, in the open transaction or in a new one
-// begun in the same round trip.
-func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Wait, lock, driver.LockTimeout(d)) })
+// begun in the same round trip, then reads the key's row with a statement
+// of its own (its snapshot must come after the wait).
+func (t *claimTx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.Row, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Wait, a.Lock, driver.LockTimeout(d)) })
 	var old string
 	if err == nil {
 		var locked *string
@@ -427,12 +428,11 @@ func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return old, err
-}
-
-func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
+	if err != nil {
+		return driver.Row{}, err
+	}
 	var restored string
-	return driver.Lookup(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout).Scan, &restored)
+	return driver.Lookup(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, old).Scan, &restored)
 }
 
 // Commit sends the stored answer and COMMIT in one round trip. The answer

@@ -200,11 +200,11 @@ type Tx interface {
 	// a lease that ran out. False when the row changed meanwhile.
 	TakeOver(ctx context.Context, a *Args) (bool, error)
 	// Wait waits at most d for the key's lock, with lock_timeout set for
-	// this transaction, and returns lock_timeout's value from before.
-	Wait(ctx context.Context, lock int64, d time.Duration) (string, error)
-	// LookupRestoring reads the key's row and lock after Wait, with a new
-	// statement, and sets lock_timeout back to lockTimeout.
-	LookupRestoring(ctx context.Context, a *Args, lockTimeout string) (Row, error)
+	// this transaction meanwhile (SQLSTATE 55P03 when d runs out), then
+	// reads the key's row and lock with a new statement, whose snapshot
+	// comes after the wait, and gives the transaction back the
+	// lock_timeout it had before (Queries.Wait, LookupRestoring).
+	Wait(ctx context.Context, a *Args, d time.Duration) (Row, error)
 	// Commit stores the answer in the key's row and commits. An error means
 	// nothing was committed; the caller then calls Rollback.
 	Commit(ctx context.Context, a *Args, status int, headers, body []byte) error
