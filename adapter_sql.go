@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // sqlDriver is the database/sql adapter: each operation is a sequence of
@@ -16,8 +17,8 @@ type sqlDriver struct {
 	db     *sql.DB
 	q      driver.Queries
 	opts   *sql.TxOptions
-	layout driver.Layout        // whether the table is partitioned: adapter_sql_partitioned.go
-	sum    driver.LazySummaries // of a partitioned table's past partitions
+	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
+	sum    summary.Lazy  // of a partitioned table's past partitions
 }
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // The database/sql adapter on a partitioned table (docs/partitioning.md):
@@ -51,7 +52,7 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 // the partitions when there are no summaries. Where to claim is asked once
 // the transaction has begun (a wait for a connection could otherwise take
 // the claim past the current partition's end); a claim there that fails
-// for a reason of the partitions' (driver.ClaimAgainEverywhere) is made
+// for a reason of the partitions' (summary.ClaimAgainEverywhere) is made
 // again across every partition.
 func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
@@ -73,7 +74,7 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 			return b, nil
 		}
 		_ = t.Rollback(ctx)
-		if !driver.ClaimAgainEverywhere(err) {
+		if !summary.ClaimAgainEverywhere(err) {
 			return driver.Begun{}, err
 		}
 		if t, err = d.begin(ctx, &d.q, opts); err != nil {
@@ -94,7 +95,7 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 // the key, with ClaimPast, which also reads its row there. A completed row
 // found there is the answer; otherwise, when nothing was inserted, the
 // lookup reads the key's row in c and those partitions, and its lock.
-func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *driver.Current) (driver.Begun, error) {
+func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *summary.Current) (driver.Begun, error) {
 	if c.ClaimPast == "" {
 		return t.claimPlain(ctx, a)
 	}
@@ -109,23 +110,23 @@ func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *driver.Curr
 		return b, err
 	}
 	if !c.Holds(began) {
-		return b, driver.ErrOutside
+		return b, summary.ErrOutside
 	}
 	b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return b, err
 }
 
 // Summaries are those of d's table, if partitioned.
-func (d *sqlDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+func (d *sqlDriver) Summaries() *summary.Summaries { return d.sum.Get(d.q.Table, d.query) }
 
-// query is the driver.Querier of the summaries.
+// query is the summary.Querier of the summaries.
 func (d *sqlDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
 	rows, err := d.db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return err
 	}
 	defer rows.Close()
-	return driver.EachRow(rows, each)
+	return summary.EachRow(rows, each)
 }
 
 // claimLockFirst takes the key's lock without waiting and claims the key
@@ -153,7 +154,7 @@ func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (d
 // transaction of its own, the key's lock without waiting, then, with a new
 // statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead),
 // then COMMIT; or, first, the key's answer read from a past partition
-// (driver.Summaries.Answered).
+// (summary.Summaries.Answered).
 func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
 		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction

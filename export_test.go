@@ -1,6 +1,6 @@
 package idem
 
-import "github.com/pgidem/idem/internal/driver"
+import "github.com/pgidem/idem/internal/summary"
 
 // Test helpers shared with the external test package idem_test.
 var (
@@ -23,6 +23,6 @@ var (
 func LocalWaiters(m *Middleware) int64 { return m.flights.waiters.Load() }
 
 // SummariesOf returns the summaries of m's table's past partitions.
-func SummariesOf(m *Middleware) *driver.Summaries {
-	return m.drv.(driver.Summarised).Summaries()
+func SummariesOf(m *Middleware) *summary.Summaries {
+	return m.drv.(summary.Summarised).Summaries()
 }

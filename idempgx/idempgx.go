@@ -36,6 +36,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // New validates opts and returns a middleware that claims keys in the
@@ -148,7 +149,7 @@ type pgxDriver struct {
 	// (found out on the first claim) refuses such claims.
 	lockFirst bool
 	layout    driver.Layout
-	sum       driver.LazySummaries // of a partitioned table's past partitions
+	sum       summary.Lazy // of a partitioned table's past partitions
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
@@ -161,7 +162,7 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // Either way a first replay costs two round trips.
 //
 // On a partitioned table with summaries of its past partitions
-// (driver.Summaries), a key whose answer is in one of them is answered by
+// (summary.Summaries), a key whose answer is in one of them is answered by
 // one statement, outside any transaction; any other claims on the current
 // partition, looking in the past partitions that may hold the key first.
 func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
@@ -192,7 +193,7 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, er
 		} else {
 			begun, err = t.lockAndRead(ctx, a)
 		}
-		if t.current != nil && driver.ClaimAgainEverywhere(err) {
+		if t.current != nil && summary.ClaimAgainEverywhere(err) {
 			// Begun outside the current partition, or a partition gone
 			// since the last listing: claim lock-first across the
 			// partitions, in a new transaction.
@@ -244,16 +245,16 @@ func (d *pgxDriver) askPartitioned(ctx context.Context) (*bool, error) {
 }
 
 // Summaries are those of d's table, if partitioned.
-func (d *pgxDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+func (d *pgxDriver) Summaries() *summary.Summaries { return d.sum.Get(d.q.Table, d.query) }
 
-// query is the driver.Querier of the summaries.
+// query is the summary.Querier of the summaries.
 func (d *pgxDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
 	rows, err := d.pool.Query(ctx, query, args...)
 	if err != nil {
 		return err
 	}
 	defer rows.Close()
-	return driver.EachRow(rows, each)
+	return summary.EachRow(rows, each)
 }
 
 // lockAndRead takes the key's lock without waiting and reads its row, in
@@ -263,7 +264,7 @@ func (d *pgxDriver) query(ctx context.Context, query string, args []any, each fu
 func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	lock := t.q.TryLock
 	if t.current != nil {
-		lock = driver.TryLockAt
+		lock = summary.TryLockAt
 	}
 	br, err := t.send(ctx, func(b *pgx.Batch) {
 		b.Queue(lock, a.Lock)
@@ -276,7 +277,7 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 	if err == nil && t.current != nil {
 		var began time.Time
 		if err = br.QueryRow().Scan(&s.Locked, &began); err == nil && !t.current.Holds(began) {
-			err = driver.ErrOutside
+			err = summary.ErrOutside
 		}
 	} else if err == nil {
 		err = br.QueryRow().Scan(&s.Locked)
@@ -319,7 +320,7 @@ func (t *claimTx) claimPast(ctx context.Context, a *driver.Args) (driver.Begun, 
 		return begun, err
 	}
 	if !t.current.Holds(began) {
-		return begun, driver.ErrOutside
+		return begun, summary.ErrOutside
 	}
 	begun.Row, err = driver.Lookup(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return begun, err
@@ -363,8 +364,8 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 // Commit or Rollback.
 type claimTx struct {
 	d       *pgxDriver
-	q       *driver.Queries // d's, or current's
-	current *driver.Current // a partitioned table's current partition, claimed on as a plain table
+	q       *driver.Queries  // d's, or current's
+	current *summary.Current // a partitioned table's current partition, claimed on as a plain table
 	conn    *pgxpool.Conn
 	c       *pgx.Conn
 	h       *handleTx // what the handler gets
@@ -572,7 +573,7 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 // (READ COMMITTED) with the key's lock taken without waiting, then, with a
 // new statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead)
 // with COMMIT: two round trips; or, first, the key's answer read from a
-// past partition (driver.Summaries.Answered).
+// past partition (summary.Summaries.Answered).
 func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
 		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction

@@ -154,7 +154,7 @@ var ErrFenced = errors.New("the key's lease ran out and another delivery took it
 // Begun is what Driver.Begin did: Won when the claim inserted the key;
 // otherwise Row, read by a statement after the claim's. Tx is the claim's
 // transaction, open, unless Answered: the key's answer (Row, Completed) was
-// read without a transaction (Summaries.Answered), and Tx is nil.
+// read without a transaction (summary.Summaries.Answered), and Tx is nil.
 type Begun struct {
 	Tx       Tx
 	Won      bool
