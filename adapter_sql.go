@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // sqlDriver is the database/sql adapter: each operation is a sequence of
@@ -16,8 +17,8 @@ type sqlDriver struct {
 	db     *sql.DB
 	q      driver.Queries
 	opts   *sql.TxOptions
-	layout driver.Layout        // whether the table is partitioned: adapter_sql_partitioned.go
-	sum    driver.LazySummaries // of a partitioned table's past partitions
+	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
+	sum    summary.Lazy  // of a partitioned table's past partitions
 }
 
 func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
@@ -37,23 +38,23 @@ func (d *sqlDriver) begin(ctx context.Context, q *driver.Queries, opts *sql.TxOp
 	return &sqlTx{tx: tx, q: q}, nil
 }
 
-func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if partitioned {
 		return d.beginPartitioned(ctx, a)
 	}
 	t, err := d.begin(ctx, &d.q, d.opts)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	b, err := t.claimPlain(ctx, a)
 	if err != nil {
 		_ = t.Rollback(ctx)
 	}
-	if sqlState(err) == driver.NoConflictTarget {
+	if driver.SQLState(err) == driver.NoConflictTarget {
 		// The table has become partitioned (docs/partitioning.md): ask
 		// again, and claim as on one if so.
 		d.layout.Forget()
@@ -62,9 +63,10 @@ func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, b, nil
+	b.Tx = t
+	return b, nil
 }
 
 // claimPlain claims the key with t's plain statements, in its open
@@ -75,7 +77,7 @@ func (t *sqlTx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, e
 	var err error
 	b.Won, err = t.Claim(ctx, a)
 	if err == nil && !b.Won {
-		b.Row, err = scanRow(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+		b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	}
 	return b, err
 }
@@ -101,16 +103,13 @@ func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	return won, err
 }
 
-func (t *sqlTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
-	var old string
+func (t *sqlTx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.Row, error) {
+	var old, restored string
 	var locked sql.NullString
-	err := t.tx.QueryRowContext(ctx, t.q.Wait, lock, driver.LockTimeout(d)).Scan(&old, &locked)
-	return old, err
-}
-
-func (t *sqlTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
-	var restored string
-	return scanRow(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+	if err := t.tx.QueryRowContext(ctx, t.q.Wait, a.Lock, driver.LockTimeout(d)).Scan(&old, &locked); err != nil {
+		return driver.Row{}, err
+	}
+	return driver.Lookup(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, old).Scan, &restored)
 }
 
 func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
@@ -181,7 +180,7 @@ func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 	case !errors.Is(err, sql.ErrNoRows):
 		return l, err
 	}
-	l.Row, err = scanRow(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	l.Row, err = driver.Lookup(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return l, err
 }
 
@@ -221,24 +220,4 @@ func (t *sqlTx) Rollback(context.Context) error {
 		return nil
 	}
 	return err
-}
-
-// scanRow reads a lookup's row; extra receives a trailing column.
-func scanRow(r *sql.Row, extra any) (driver.Row, error) {
-	var (
-		c      driver.Row
-		status sql.NullInt32
-		done   sql.NullBool
-	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &done, &c.Leased, &c.LeaseLeft}
-	if extra != nil {
-		dest = append(dest, extra)
-	}
-	if err := r.Scan(dest...); err != nil {
-		return c, err
-	}
-	c.Visible = c.Digest != nil
-	c.Completed = done.Valid && done.Bool
-	c.Status = int(status.Int32)
-	return c, nil
 }

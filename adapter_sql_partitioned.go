@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // The database/sql adapter on a partitioned table (docs/partitioning.md):
@@ -51,40 +52,42 @@ func (d *sqlDriver) lockFirstOptions() (*sql.TxOptions, error) {
 // the partitions when there are no summaries. Where to claim is asked once
 // the transaction has begun (a wait for a connection could otherwise take
 // the claim past the current partition's end); a claim there that fails
-// for a reason of the partitions' (driver.ClaimAgainEverywhere) is made
+// for a reason of the partitions' (summary.ClaimAgainEverywhere) is made
 // again across every partition.
-func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	opts, err := d.lockFirstOptions()
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
-		return nil, driver.Begun{Row: row}, err
+		return driver.Begun{Answered: ok, Row: row}, err
 	}
 	t, err := d.begin(ctx, &d.q, opts)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	if c := d.Summaries().Fast(a, time.Now()); c != nil {
 		t.q = &c.Queries
 		b, err := t.claimCurrent(ctx, a, c)
 		if err == nil {
-			return t, b, nil
+			b.Tx = t
+			return b, nil
 		}
 		_ = t.Rollback(ctx)
-		if !driver.ClaimAgainEverywhere(err) {
-			return nil, driver.Begun{}, err
+		if !summary.ClaimAgainEverywhere(err) {
+			return driver.Begun{}, err
 		}
 		if t, err = d.begin(ctx, &d.q, opts); err != nil {
-			return nil, driver.Begun{}, err
+			return driver.Begun{}, err
 		}
 	}
 	b, err := t.claimLockFirst(ctx, a)
 	if err != nil {
 		_ = t.Rollback(ctx)
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, b, nil
+	b.Tx = t
+	return b, nil
 }
 
 // claimCurrent claims the key on c, the current partition, in t's open
@@ -92,33 +95,38 @@ func (d *sqlDriver) beginPartitioned(ctx context.Context, a *driver.Args) (drive
 // the key, with ClaimPast, which also reads its row there. A completed row
 // found there is the answer; otherwise, when nothing was inserted, the
 // lookup reads the key's row in c and those partitions, and its lock.
-func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *driver.Current) (driver.Begun, error) {
+func (t *sqlTx) claimCurrent(ctx context.Context, a *driver.Args, c *summary.Current) (driver.Begun, error) {
 	if c.ClaimPast == "" {
 		return t.claimPlain(ctx, a)
 	}
-	var began time.Time
-	b, err := scanClaimed(t.tx.QueryRowContext(ctx, c.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock), &began)
-	if err != nil || b.Won || b.Row.Completed {
+	var (
+		b     driver.Begun
+		began time.Time
+		s     driver.Scan // the lock does not matter: the lookup reads it
+		err   error
+	)
+	b.Row, err = s.Read(t.tx.QueryRowContext(ctx, c.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock).Scan, &b.Won, &began)
+	if err != nil || b.Won || b.Row.State == driver.Completed {
 		return b, err
 	}
 	if !c.Holds(began) {
-		return b, driver.ErrOutside
+		return b, summary.ErrOutside
 	}
-	b.Row, err = scanRow(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock), nil)
+	b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, c.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return b, err
 }
 
 // Summaries are those of d's table, if partitioned.
-func (d *sqlDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+func (d *sqlDriver) Summaries() *summary.Summaries { return d.sum.Get(d.q.Table, d.query) }
 
-// query is the driver.Querier of the summaries.
+// query is the summary.Querier of the summaries.
 func (d *sqlDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
 	rows, err := d.db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return err
 	}
 	defer rows.Close()
-	return driver.EachRow(rows, each)
+	return summary.EachRow(rows, each)
 }
 
 // claimLockFirst takes the key's lock without waiting and claims the key
@@ -135,28 +143,10 @@ func (t *sqlTx) claimLockFirst(ctx context.Context, a *driver.Args) (driver.Begu
 // claimOrRead sends ClaimOrRead: the claim when locked and no partition
 // holds the key, else the key's row, if any.
 func (t *sqlTx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
-	b, err := scanClaimed(t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked), nil)
-	b.Row.GotLock = locked
-	return b, err
-}
-
-// scanClaimed reads the row of ClaimOrRead or ClaimPast: whether it
-// inserted, then (into began, for ClaimPast) the transaction's start, then
-// the key's row it read, if any.
-func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
-	var (
-		b      driver.Begun
-		status sql.NullInt32
-		done   sql.NullBool
-	)
-	dest := []any{&b.Won}
-	if began != nil {
-		dest = append(dest, began)
-	}
-	err := r.Scan(append(dest, &b.Row.Digest, &status, &b.Row.Headers, &b.Row.Body, &done, &b.Row.Leased, &b.Row.LeaseLeft)...)
-	b.Row.Visible = b.Row.Digest != nil
-	b.Row.Completed = done.Valid && done.Bool
-	b.Row.Status = int(status.Int32)
+	var b driver.Begun
+	s := driver.Scan{Locked: locked}
+	var err error
+	b.Row, err = s.Read(t.tx.QueryRowContext(ctx, t.q.ClaimOrRead, a.Source, a.EventID, a.Digest, locked).Scan, &b.Won)
 	return b, err
 }
 
@@ -164,7 +154,7 @@ func scanClaimed(r *sql.Row, began *time.Time) (driver.Begun, error) {
 // transaction of its own, the key's lock without waiting, then, with a new
 // statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead),
 // then COMMIT; or, first, the key's answer read from a past partition
-// (driver.Summaries.Answered).
+// (summary.Summaries.Answered).
 func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
 		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction
@@ -176,17 +166,15 @@ func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	defer func() { _ = tx.Rollback() }()
-	var l driver.Lease
-	if err := tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&l.Row.GotLock); err != nil {
-		return l, err
+	var s driver.Scan
+	if err := tx.QueryRowContext(ctx, d.q.TryLock, a.Lock).Scan(&s.Locked); err != nil {
+		return driver.Lease{}, err
 	}
 	var (
-		took   sql.NullBool
-		status sql.NullInt32
-		done   sql.NullBool
+		l    driver.Lease
+		took sql.NullBool
 	)
-	err = tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token).
-		Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
+	l.Row, err = s.Read(tx.QueryRowContext(ctx, d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, s.Locked, lease.Microseconds(), token).Scan, &took)
 	if err == nil {
 		err = ctx.Err()
 	}
@@ -196,9 +184,6 @@ func (d *sqlDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 	if err != nil {
 		return driver.Lease{}, err
 	}
-	l.Row.Visible = l.Row.Digest != nil
-	l.Row.Completed = done.Valid && done.Bool
-	l.Row.Status = int(status.Int32)
 	if took.Valid {
 		l.Won, l.TookOver, l.Token = true, took.Bool, token
 	}

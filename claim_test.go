@@ -28,25 +28,25 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
 	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, begun, err := d.Begin(ctx, args)
+	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
+	a := begun.Tx
 	defer a.Rollback(ctx) //nolint:errcheck // ends a finished tx in the failure paths only
 	assert.True(t, begun.Won, "A wins the free key")
 
-	b, busy, err := d.Begin(ctx, args)
+	busy, err := d.Begin(ctx, args)
 	require.NoError(t, err, "B neither blocks nor fails on A's uncommitted row")
 	assert.False(t, busy.Won)
-	assert.False(t, busy.Row.GotLock, "B sees the claim in flight")
-	assert.False(t, busy.Row.Visible, "A's uncommitted row is invisible to B")
-	require.NoError(t, b.Rollback(ctx))
+	assert.Equal(t, driver.InFlight, busy.Row.State, "B sees the claim in flight, its uncommitted row invisible")
+	require.NoError(t, busy.Tx.Rollback(ctx))
 
 	require.NoError(t, a.Commit(ctx, args, 200, []byte(`{}`), []byte(`{"status":"recorded"}`)))
 
-	c, done, err := d.Begin(ctx, args)
+	done, err := d.Begin(ctx, args)
 	require.NoError(t, err)
-	defer c.Rollback(ctx) //nolint:errcheck
+	defer done.Tx.Rollback(ctx) //nolint:errcheck
 	assert.False(t, done.Won, "a completed key is never claimed again")
-	assert.True(t, done.Row.Completed, "and its answer is there")
+	assert.Equal(t, driver.Completed, done.Row.State, "and its answer is there")
 	assert.Equal(t, []byte(`{"status":"recorded"}`), done.Row.Body)
 	assert.Equal(t, 200, done.Row.Status)
 	assert.Equal(t, digest[:], done.Row.Digest)
@@ -66,33 +66,33 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	digest := sha256.Sum256([]byte("x"))
 	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 
-	a, begun, err := d.Begin(ctx, args)
+	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
 	require.True(t, begun.Won)
+	a := begun.Tx
 
-	b, busy, err := d.Begin(ctx, args)
+	busy, err := d.Begin(ctx, args)
 	require.NoError(t, err)
+	b := busy.Tx
 	defer b.Rollback(ctx) //nolint:errcheck
 	require.False(t, busy.Won)
 
 	waited := make(chan error)
-	var old string
+	var row driver.Row
 	go func() {
 		var err error
-		old, err = b.Wait(ctx, args.Lock, time.Minute)
+		row, err = b.Wait(ctx, args, time.Minute)
 		waited <- err
 	}()
 	require.NoError(t, a.Commit(ctx, args, 201, []byte(`{}`), []byte("done")))
 	require.NoError(t, <-waited)
-	assert.Equal(t, "0", old, "lock_timeout before the wait")
-
-	row, err := b.LookupRestoring(ctx, args, old)
-	require.NoError(t, err)
-	assert.True(t, row.GotLock)
-	assert.True(t, row.Visible)
-	assert.True(t, row.Completed)
+	assert.Equal(t, driver.Completed, row.State)
 	assert.Equal(t, 201, row.Status)
 	assert.Equal(t, []byte("done"), row.Body)
+
+	var lockTimeout string
+	require.NoError(t, b.Handle().(*sql.Tx).QueryRowContext(ctx, "SHOW lock_timeout").Scan(&lockTimeout))
+	assert.Equal(t, "0", lockTimeout, "the wait gave the transaction back its lock_timeout")
 }
 
 func TestLockIDIgnoresHowTheTableIsSpelled(t *testing.T) {

@@ -170,13 +170,3 @@ func trimPrefix(s string) string {
 	}
 	return s
 }
-
-// sqlState returns the SQLSTATE code of a PostgreSQL error, for pgx's
-// *pgconn.PgError and any driver error with the same method.
-func sqlState(err error) string {
-	var pe interface{ SQLState() string }
-	if errors.As(err, &pe) {
-		return pe.SQLState()
-	}
-	return ""
-}

@@ -2,7 +2,7 @@ package idem
 
 import (
 	"github.com/pgidem/idem/internal/catalog"
-	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 	"github.com/pgidem/idem/internal/testdb"
 )
 
@@ -27,6 +27,6 @@ var (
 func LocalWaiters(m *Middleware) int64 { return m.flights.waiters.Load() }
 
 // SummariesOf returns the summaries of m's table's past partitions.
-func SummariesOf(m *Middleware) *driver.Summaries {
-	return m.drv.(driver.Summarised).Summaries()
+func SummariesOf(m *Middleware) *summary.Summaries {
+	return m.drv.(summary.Summarised).Summaries()
 }

@@ -74,7 +74,7 @@ func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim
 	for attempt := 0; attempt < maxClaimAttempts; attempt++ {
 		l, err := m.drv.ClaimLease(ctx, a, m.lease, m.lockWait, newToken())
 		switch {
-		case sqlState(err) == "55P03": // the row stayed locked for LockWait: a completion committing
+		case driver.SQLState(err) == "55P03": // the row stayed locked for LockWait: a completion committing
 			return leaseClaim{}, problemFor(ErrInFlight), OutcomeInFlight
 		case retryable(err):
 			lastErr = err
@@ -84,12 +84,11 @@ func (m *Middleware) claimLease(ctx context.Context, a *driver.Args) (leaseClaim
 		case l.Won:
 			return leaseClaim{Lease: l}, nil, 0
 		}
-		row := l.Row
-		switch {
-		case row.Visible && !(row.Leased && !row.LeaseLive()):
-			res := m.answerStored(claimResult{}, row, a.Digest)
+		switch l.Row.State {
+		case driver.Completed, driver.Unanswered, driver.LeaseLive:
+			res := m.answerStored(claimResult{}, l.Row, a.Digest)
 			return leaseClaim{replay: res.replay}, res.problem, res.outcome
-		case !row.GotLock:
+		case driver.InFlight, driver.TakingOver:
 			// Another claim holds the key's lock: a single-transaction
 			// original in flight, or another delivery claiming it now.
 			return leaseClaim{}, problemFor(ErrInFlight), OutcomeInFlight

@@ -718,7 +718,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 		if err := ctx.Err(); err != nil {
 			return storeErr(err)
 		}
-		tx, begun, err := m.drv.Begin(ctx, a)
+		begun, err := m.drv.Begin(ctx, a)
 		if err != nil {
 			if retryable(err) {
 				lastErr = err
@@ -726,35 +726,35 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 			}
 			return storeErr(err)
 		}
-		if !begun.Won && !begun.Row.Visible && !begun.Row.GotLock {
+		if !begun.Won && begun.Row.State == driver.InFlight {
 			// Nothing inserted and the lock is taken: in flight.
-			tx, begun, err = m.waitForOriginal(ctx, tx, a, &deadline, &res.waited)
+			begun, err = m.waitForOriginal(ctx, begun.Tx, a, &deadline, &res.waited)
 		}
-		won, row := begun.Won, begun.Row
+		tx, won, row := begun.Tx, begun.Won, begun.Row
 		tookOver := false
 		if err == nil && !won {
-			switch {
-			case row.Leased && !row.LeaseLive() && row.GotLock:
+			switch row.State {
+			case driver.LeaseExpired:
 				// A lease-mode claim whose lease ran out: a crashed (or
 				// frozen) original. Take the key over in this transaction.
 				won, err = tx.TakeOver(ctx, a)
 				tookOver = won
-			case row.Visible:
-				if tx != nil { // nil: the answer was read outside a transaction
-					_ = tx.Rollback(ctx)
-				}
-				return m.answerStored(res, row, a.Digest)
-			default:
+			case driver.Free, driver.InFlight: // InFlight: never after a wait, which holds the lock
 				// No row, and the key's lock is this transaction's: the
 				// original rolled back. Claim the key here.
 				won, err = tx.Claim(ctx, a)
+			default:
+				if !begun.Answered { // else read outside a transaction
+					_ = tx.Rollback(ctx)
+				}
+				return m.answerStored(res, row, a.Digest)
 			}
 		}
 		if err == nil && won {
 			res.tx, res.tookOver = tx, tookOver
 			return res
 		}
-		if tx != nil {
+		if tx != nil { // nil: waitForOriginal gave it back
 			_ = tx.Rollback(ctx)
 		}
 		switch {
@@ -777,54 +777,50 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 }
 
 // waitForOriginal waits, holding a pooled connection, for the original that
-// holds the key's lock to end, then reads the key's row with a new statement
-// (a statement's snapshot predates its own wait) and gives the transaction
-// back its own lock_timeout. On success the lock is the transaction's. At
+// holds the key's lock to end, and reads the key's row (driver.Tx.Wait). On
+// success the lock is the transaction's. At
 // most waitLimit claims wait in PostgreSQL at once; the others wait for a
 // slot in memory, having given their connection back. When deadline passes
-// first, the error is errWaitOver; tx may then be nil.
-func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Tx, driver.Begun, error) {
+// first, the error is errWaitOver; the Begun's Tx, the transaction to roll
+// back, may then be nil.
+func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Begun, error) {
 	if deadline.IsZero() {
 		*deadline = time.Now().Add(m.lockWait)
 	}
 	start := time.Now()
 	defer func() { *waited += time.Since(start) }()
 	if time.Until(*deadline) <= 0 {
-		return tx, driver.Begun{}, errWaitOver
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
 	limit := waitLimit(m.drv.PoolCap())
 	if !m.waiting.tryAcquire(limit) {
 		_ = tx.Rollback(ctx)
 		if !m.waiting.acquire(ctx, limit, *deadline) {
 			if err := ctx.Err(); err != nil {
-				return nil, driver.Begun{}, err
+				return driver.Begun{}, err
 			}
-			return nil, driver.Begun{}, errWaitOver
+			return driver.Begun{}, errWaitOver
 		}
 		defer m.waiting.release()
 		// A new transaction, whose claim finds the key as the last did, or
 		// settles it if the original ended meanwhile.
-		var begun driver.Begun
-		var err error
-		if tx, begun, err = m.drv.Begin(ctx, a); err != nil || begun.Won || begun.Row.Visible || begun.Row.GotLock {
-			return tx, begun, err
+		begun, err := m.drv.Begin(ctx, a)
+		if err != nil || begun.Won || begun.Row.State != driver.InFlight {
+			return begun, err
 		}
+		tx = begun.Tx
 	} else {
 		defer m.waiting.release()
 	}
 	remaining := time.Until(*deadline)
 	if remaining <= 0 {
-		return tx, driver.Begun{}, errWaitOver
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
-	old, err := tx.Wait(ctx, a.Lock, remaining)
-	if sqlState(err) == "55P03" { // lock_not_available: LockWait ran out
-		return tx, driver.Begun{}, errWaitOver
+	row, err := tx.Wait(ctx, a, remaining)
+	if driver.SQLState(err) == "55P03" { // lock_not_available: LockWait ran out
+		return driver.Begun{Tx: tx}, errWaitOver
 	}
-	if err != nil {
-		return tx, driver.Begun{}, err
-	}
-	row, err := tx.LookupRestoring(ctx, a, old)
-	return tx, driver.Begun{Row: row}, err
+	return driver.Begun{Tx: tx, Row: row}, err
 }
 
 // answerStored turns a committed row into a replay, a 422, or, for a row
@@ -832,14 +828,14 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 // transaction itself), a 409: that key needs an operator.
 func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte) claimResult {
 	switch {
-	case row.Leased:
-		// A lease-mode original is running (or its lease ran out while
-		// another claim held the key's lock).
+	case row.State == driver.LeaseLive:
+		// A lease-mode original is running.
 		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
-		if row.LeaseLive() {
-			res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
-		}
-	case !row.Completed:
+		res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
+	case row.State == driver.LeaseExpired || row.State == driver.TakingOver:
+		// Its lease ran out while another claim held the key's lock.
+		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+	case row.State != driver.Completed:
 		res.problem, res.outcome = problemFor(fmt.Errorf("%w: the key's row was committed without a response (a handler ended the transaction itself?)", ErrInFlight)), OutcomeInFlight
 	case subtle.ConstantTimeCompare(row.Digest, digest) != 1:
 		res.problem, res.outcome = problemFor(ErrPayloadMismatch), OutcomeMismatch
@@ -864,7 +860,7 @@ func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte
 // retryable reports a serialization failure or a deadlock: the claim is
 // tried again in a new transaction.
 func retryable(err error) bool {
-	switch sqlState(err) {
+	switch driver.SQLState(err) {
 	case "40001", "40P01":
 		return true
 	}
@@ -1062,7 +1058,7 @@ func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Ou
 		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
 	case errors.Is(err, driver.ErrTxDone):
 		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
-	case sqlState(err) == "25P02": // in_failed_sql_transaction
+	case driver.SQLState(err) == "25P02": // in_failed_sql_transaction
 		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack
 	}
 	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError

@@ -138,11 +138,11 @@ func TestPartitionedAnswerUpdatesOnePartition(t *testing.T) {
 	d := &sqlDriver{db: db, q: q}
 	key := Key{Source: "test", EventID: "evt_new"}
 	a := &driver.Args{Source: key.Source, EventID: key.EventID, Digest: make([]byte, 32), Lock: tbl.lockID(key)}
-	claim, b, err := d.Begin(ctx, a)
+	b, err := d.Begin(ctx, a)
 	require.NoError(t, err)
-	defer func() { _ = claim.Rollback(ctx) }()
+	defer func() { _ = b.Tx.Rollback(ctx) }()
 	require.True(t, b.Won)
-	c := claim.(*sqlTx)
+	c := b.Tx.(*sqlTx)
 	require.True(t, c.lockFirst, "the adapter found the table partitioned")
 
 	// The statement the adapter sends, run by EXPLAIN ANALYZE in the

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -23,7 +23,7 @@ import (
 // awaitSummaries refreshes s until every past partition is summarised: until
 // the transactions that were running when each partition had ended (by
 // its margin) have ended too.
-func awaitSummaries(t testing.TB, s *driver.Summaries) {
+func awaitSummaries(t testing.TB, s *summary.Summaries) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -35,7 +35,7 @@ func awaitSummaries(t testing.TB, s *driver.Summaries) {
 // summarise reads the summaries of the past partitions of f's table, with
 // a margin of a second (the current partition may have begun less than a
 // minute ago), and returns them.
-func summarise(t testing.TB, f *fixture) *driver.Summaries {
+func summarise(t testing.TB, f *fixture) *summary.Summaries {
 	t.Helper()
 	s := idem.SummariesOf(f.mw)
 	s.Set(time.Second, 10*time.Second, 2*time.Second)
@@ -214,7 +214,7 @@ func TestSummariesClaimBegunPastTheBoundaryClaimsLockFirst(t *testing.T) {
 	const margin = 200 * time.Millisecond
 	var (
 		f        *fixture
-		s        *driver.Summaries
+		s        *summary.Summaries
 		table    string
 		boundary time.Time
 	)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/catalog"
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // The sweep of a partitioned table: expired keys go with their partitions.
@@ -51,7 +52,7 @@ var errDetached = errors.New("the partition is detached but not dropped")
 func retryDeadlocks(f func() error) error {
 	var err error
 	for range 3 {
-		if err = f(); catalog.SQLState(err) != "40P01" {
+		if err = f(); driver.SQLState(err) != "40P01" {
 			return err
 		}
 	}
@@ -101,7 +102,7 @@ func (s *sweeper) runPartitions(ctx context.Context, db *sql.DB) (res SweepResul
 			switch other, cerr := anotherSweep(ctx, db, s.table, p, parts); {
 			case cerr == nil && other == otherTookIt:
 				continue
-			case cerr == nil && (other == otherIsDetaching || catalog.SQLState(err) == "40P01"):
+			case cerr == nil && (other == otherIsDetaching || driver.SQLState(err) == "40P01"):
 				// PostgreSQL detaches one partition of a table at a time
 				// (and a deadlock between two detaches leaves one of them
 				// going): the other sweep goes on with the rest.

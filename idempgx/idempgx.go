@@ -36,6 +36,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/summary"
 )
 
 // New validates opts and returns a middleware that claims keys in the
@@ -148,7 +149,7 @@ type pgxDriver struct {
 	// (found out on the first claim) refuses such claims.
 	lockFirst bool
 	layout    driver.Layout
-	sum       driver.LazySummaries // of a partitioned table's past partitions
+	sum       summary.Lazy // of a partitioned table's past partitions
 }
 
 func (d *pgxDriver) PoolCap() int { return d.poolCap }
@@ -161,25 +162,25 @@ func (d *pgxDriver) PoolCap() int { return d.poolCap }
 // Either way a first replay costs two round trips.
 //
 // On a partitioned table with summaries of its past partitions
-// (driver.Summaries), a key whose answer is in one of them is answered by
+// (summary.Summaries), a key whose answer is in one of them is answered by
 // one statement, outside any transaction; any other claims on the current
 // partition, looking in the past partitions that may hold the key first.
-func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, driver.Begun, error) {
+func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	partitioned := false
 	if !d.lockFirst {
 		if err := d.refusePartitioned(ctx); err != nil {
-			return nil, driver.Begun{}, err
+			return driver.Begun{}, err
 		}
 	} else if p, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	} else if partitioned = p; p {
 		if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
-			return nil, driver.Begun{Row: row}, err // answered from a past partition, without a transaction
+			return driver.Begun{Answered: ok, Row: row}, err // answered from a past partition, without a transaction
 		}
 	}
 	conn, err := d.pool.Acquire(ctx)
 	if err != nil {
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
 	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	var begun driver.Begun
@@ -192,7 +193,7 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		} else {
 			begun, err = t.lockAndRead(ctx, a)
 		}
-		if t.current != nil && driver.ClaimAgainEverywhere(err) {
+		if t.current != nil && summary.ClaimAgainEverywhere(err) {
 			// Begun outside the current partition, or a partition gone
 			// since the last listing: claim lock-first across the
 			// partitions, in a new transaction.
@@ -210,13 +211,14 @@ func (d *pgxDriver) Begin(ctx context.Context, a *driver.Args) (driver.Tx, drive
 		}
 	}
 	if err != nil {
-		if sqlState(err) == driver.NoConflictTarget {
+		if driver.SQLState(err) == driver.NoConflictTarget {
 			d.layout.Forget() // the table became partitioned: ask again
 		}
 		_ = t.Rollback(ctx)
-		return nil, driver.Begun{}, err
+		return driver.Begun{}, err
 	}
-	return t, begun, nil
+	begun.Tx = t
+	return begun, nil
 }
 
 // refusePartitioned fails claims that insert the key first on a
@@ -243,16 +245,16 @@ func (d *pgxDriver) askPartitioned(ctx context.Context) (*bool, error) {
 }
 
 // Summaries are those of d's table, if partitioned.
-func (d *pgxDriver) Summaries() *driver.Summaries { return d.sum.Get(d.q.Table, d.query) }
+func (d *pgxDriver) Summaries() *summary.Summaries { return d.sum.Get(d.q.Table, d.query) }
 
-// query is the driver.Querier of the summaries.
+// query is the summary.Querier of the summaries.
 func (d *pgxDriver) query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
 	rows, err := d.pool.Query(ctx, query, args...)
 	if err != nil {
 		return err
 	}
 	defer rows.Close()
-	return driver.EachRow(rows, each)
+	return summary.EachRow(rows, each)
 }
 
 // lockAndRead takes the key's lock without waiting and reads its row, in
@@ -262,28 +264,34 @@ func (d *pgxDriver) query(ctx context.Context, query string, args []any, each fu
 func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	lock := t.q.TryLock
 	if t.current != nil {
-		lock = driver.TryLockAt
+		lock = summary.TryLockAt
 	}
 	br, err := t.send(ctx, func(b *pgx.Batch) {
 		b.Queue(lock, a.Lock)
 		b.Queue(t.q.Read, a.Source, a.EventID)
 	})
-	var begun driver.Begun
+	var (
+		begun driver.Begun
+		s     driver.Scan
+	)
 	if err == nil && t.current != nil {
 		var began time.Time
-		if err = br.QueryRow().Scan(&begun.Row.GotLock, &began); err == nil && !t.current.Holds(began) {
-			err = driver.ErrOutside
+		if err = br.QueryRow().Scan(&s.Locked, &began); err == nil && !t.current.Holds(began) {
+			err = summary.ErrOutside
 		}
 	} else if err == nil {
-		err = br.QueryRow().Scan(&begun.Row.GotLock)
+		err = br.QueryRow().Scan(&s.Locked)
 	}
 	if err == nil {
-		begun.Row, err = scanRead(br.QueryRow(), begun.Row)
+		// No row: the key has none (Scan untouched).
+		if begun.Row, err = s.Read(br.QueryRow().Scan); errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	begun.Won = err == nil && begun.Row.GotLock && !begun.Row.Visible
+	begun.Won = err == nil && begun.Row.State == driver.Free
 	t.insertAtEnd = begun.Won
 	return begun, err
 }
@@ -298,30 +306,23 @@ func (t *claimTx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun
 func (t *claimTx) claimPast(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.ClaimPast, a.Source, a.EventID, a.Digest, a.Lock) })
 	var (
-		begun  driver.Begun
-		began  time.Time
-		status *int32
-		done   *bool
+		begun driver.Begun
+		began time.Time
+		s     driver.Scan // the lock does not matter: the lookup reads it
 	)
 	if err == nil {
-		r := &begun.Row
-		err = br.QueryRow().Scan(&begun.Won, &began, &r.Digest, &status, &r.Headers, &r.Body, &done, &r.Leased, &r.LeaseLeft)
+		begun.Row, err = s.Read(br.QueryRow().Scan, &begun.Won, &began)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	begun.Row.Visible = begun.Row.Digest != nil
-	begun.Row.Completed = done != nil && *done
-	if status != nil {
-		begun.Row.Status = int(*status)
-	}
-	if err != nil || begun.Won || begun.Row.Completed {
+	if err != nil || begun.Won || begun.Row.State == driver.Completed {
 		return begun, err
 	}
 	if !t.current.Holds(began) {
-		return begun, driver.ErrOutside
+		return begun, summary.ErrOutside
 	}
-	begun.Row, err = scanRow(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	begun.Row, err = driver.Lookup(t.c.QueryRow(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return begun, err
 }
 
@@ -349,7 +350,7 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 	b.Queue(t.q.Lookup, a.Source, a.EventID, a.Lock)
 	b.Queue("ROLLBACK")
 	br := t.c.SendBatch(ctx, &b)
-	row, err := scanRow(br.QueryRow(), nil)
+	row, err := driver.Lookup(br.QueryRow().Scan)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -359,49 +360,12 @@ func (t *claimTx) lookupAndEnd(ctx context.Context, a *driver.Args) (driver.Row,
 	return row, err
 }
 
-// scanRead reads the Read statement's row into row; no row is Visible false.
-func scanRead(r pgx.Row, row driver.Row) (driver.Row, error) {
-	var status *int32
-	err := r.Scan(&row.Digest, &status, &row.Headers, &row.Body, &row.Completed, &row.Leased, &row.LeaseLeft)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return row, nil
-	}
-	if err != nil {
-		return row, err
-	}
-	row.Visible = true
-	if status != nil {
-		row.Status = int(*status)
-	}
-	return row, nil
-}
-
-// scanRow reads a lookup's row; extra receives a trailing column.
-func scanRow(r pgx.Row, extra any) (driver.Row, error) {
-	var (
-		c      driver.Row
-		status *int32
-	)
-	dest := []any{&c.GotLock, &c.Digest, &status, &c.Headers, &c.Body, &c.Completed, &c.Leased, &c.LeaseLeft}
-	if extra != nil {
-		dest = append(dest, extra)
-	}
-	if err := r.Scan(dest...); err != nil {
-		return c, err
-	}
-	c.Visible = c.Digest != nil
-	if status != nil {
-		c.Status = int(*status)
-	}
-	return c, nil
-}
-
 // claimTx is the claim's transaction, on a connection held from Begin to
 // Commit or Rollback.
 type claimTx struct {
 	d       *pgxDriver
-	q       *driver.Queries // d's, or current's
-	current *driver.Current // a partitioned table's current partition, claimed on as a plain table
+	q       *driver.Queries  // d's, or current's
+	current *summary.Current // a partitioned table's current partition, claimed on as a plain table
 	conn    *pgxpool.Conn
 	c       *pgx.Conn
 	h       *handleTx // what the handler gets
@@ -453,9 +417,10 @@ func (t *claimTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 }
 
 // Wait waits for the key's lock, in the open transaction or in a new one
-// begun in the same round trip.
-func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string, error) {
-	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Wait, lock, driver.LockTimeout(d)) })
+// begun in the same round trip, then reads the key's row with a statement
+// of its own (its snapshot must come after the wait).
+func (t *claimTx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.Row, error) {
+	br, err := t.send(ctx, func(b *pgx.Batch) { b.Queue(t.q.Wait, a.Lock, driver.LockTimeout(d)) })
 	var old string
 	if err == nil {
 		var locked *string
@@ -464,12 +429,11 @@ func (t *claimTx) Wait(ctx context.Context, lock int64, d time.Duration) (string
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return old, err
-}
-
-func (t *claimTx) LookupRestoring(ctx context.Context, a *driver.Args, lockTimeout string) (driver.Row, error) {
+	if err != nil {
+		return driver.Row{}, err
+	}
 	var restored string
-	return scanRow(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, lockTimeout), &restored)
+	return driver.Lookup(t.c.QueryRow(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, old).Scan, &restored)
 }
 
 // Commit sends the stored answer and COMMIT in one round trip. The answer
@@ -530,7 +494,7 @@ func (t *claimTx) commitWith(ctx context.Context, none error, query string, args
 		err = cerr
 	}
 	switch {
-	case sqlState(err) == "22012": // the division by a count of zero
+	case driver.SQLState(err) == "22012": // the division by a count of zero
 		return fmt.Errorf("%w: %w", none, err)
 	case err != nil:
 		return err
@@ -601,7 +565,7 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 	case !errors.Is(err, pgx.ErrNoRows):
 		return l, err
 	}
-	l.Row, err = scanRow(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock), nil)
+	l.Row, err = driver.Lookup(d.pool.QueryRow(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
 	return l, err
 }
 
@@ -609,7 +573,7 @@ func (d *pgxDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait 
 // (READ COMMITTED) with the key's lock taken without waiting, then, with a
 // new statement, the claim or the key's row (driver.Queries.ClaimLeaseOrRead)
 // with COMMIT: two round trips; or, first, the key's answer read from a
-// past partition (driver.Summaries.Answered).
+// past partition (summary.Summaries.Answered).
 func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lease time.Duration, token int64) (driver.Lease, error) {
 	if row, ok, err := d.Summaries().Answered(ctx, a, time.Now()); ok || err != nil {
 		return driver.Lease{Row: row}, err // answered from a past partition, without a transaction
@@ -620,10 +584,10 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 	}
 	t := &claimTx{d: d, q: &d.q, conn: conn, c: conn.Conn()}
 	defer func() { _ = t.Rollback(ctx) }()
-	var l driver.Lease
+	var s driver.Scan
 	br, err := t.sendWith(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(b *pgx.Batch) { b.Queue(d.q.TryLock, a.Lock) })
 	if err == nil {
-		err = br.QueryRow().Scan(&l.Row.GotLock)
+		err = br.QueryRow().Scan(&s.Locked)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -632,14 +596,14 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	var b pgx.Batch
-	b.Queue(d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, l.Row.GotLock, lease.Microseconds(), token)
+	b.Queue(d.q.ClaimLeaseOrRead, a.Source, a.EventID, a.Digest, s.Locked, lease.Microseconds(), token)
 	b.Queue("COMMIT")
 	br = t.c.SendBatch(context.WithoutCancel(ctx), &b) // a COMMIT is never cancelled (commitWith)
 	var (
-		took, done *bool
-		status     *int32
+		l    driver.Lease
+		took *bool
 	)
-	err = br.QueryRow().Scan(&took, &l.Row.Digest, &status, &l.Row.Headers, &l.Row.Body, &done, &l.Row.Leased, &l.Row.LeaseLeft)
+	l.Row, err = s.Read(br.QueryRow().Scan, &took)
 	if err == nil {
 		_, err = br.Exec()
 	}
@@ -650,11 +614,6 @@ func (d *pgxDriver) claimLeaseLockFirst(ctx context.Context, a *driver.Args, lea
 		return driver.Lease{}, err
 	}
 	t.open = false
-	l.Row.Visible = l.Row.Digest != nil
-	l.Row.Completed = done != nil && *done
-	if status != nil {
-		l.Row.Status = int(*status)
-	}
 	if took != nil {
 		l.Won, l.TookOver, l.Token = true, *took, token
 	}
@@ -699,13 +658,4 @@ func (d *pgxDriver) CompleteLease(ctx context.Context, a *driver.Args, token int
 func (d *pgxDriver) EndLease(ctx context.Context, a *driver.Args, token int64, keep bool) error {
 	_, err := d.pool.Exec(ctx, d.q.EndLease(keep), a.Source, a.EventID, token)
 	return err
-}
-
-// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
-func sqlState(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
 }

@@ -143,12 +143,3 @@ func RelKind(ctx context.Context, q Queryer, t Table) (byte, error) {
 	}
 	return kind.String[0], nil
 }
-
-// SQLState returns the SQLSTATE of a PostgreSQL error, "" for any other.
-func SQLState(err error) string {
-	var pe interface{ SQLState() string }
-	if errors.As(err, &pe) {
-		return pe.SQLState()
-	}
-	return ""
-}

@@ -24,26 +24,108 @@ type Args struct {
 	Lock            int64
 }
 
-// Row is what a lookup read: the key's committed row, if any, and whether
-// the key's advisory lock is this transaction's.
+// State is what a lookup found for a key: whether a row is there, what it
+// holds, and, where that decides, whether the key's lock is this
+// transaction's. It is computed in one place (Scan.Row), from the columns
+// every statement that reads a key's row returns.
+type State uint8
+
+const (
+	// Free: no row, and the key's lock is this transaction's: claim it.
+	Free State = iota
+	// InFlight: no row this transaction can see, and another transaction
+	// holds the key's lock: a claim in flight.
+	InFlight
+	// Completed: the row holds an answer.
+	Completed
+	// Unanswered: the row was committed without an answer (a handler that
+	// ended the middleware's transaction itself).
+	Unanswered
+	// LeaseLive: a lease-mode row in progress whose lease still runs.
+	LeaseLive
+	// LeaseExpired: a lease-mode row in progress whose lease ran out, and
+	// the key's lock is this transaction's: it may take the key over.
+	LeaseExpired
+	// TakingOver: a lease-mode row whose lease ran out while another
+	// transaction holds the key's lock: another claim is taking it over.
+	TakingOver
+)
+
+// Row is what a lookup read: the key's State and, when a row was read, what
+// it holds.
 type Row struct {
-	GotLock   bool   // the key's lock is held by this transaction
-	Visible   bool   // a row was read
-	Completed bool   // and it holds an answer
-	Digest    []byte // the request body's SHA-256 the row was claimed with
-	Status    int
-	Headers   []byte // the stored headers' JSON
-	Body      []byte
-	Leased    bool // an in-progress row of lease mode (not completed)
+	State   State
+	Digest  []byte // the request body's SHA-256 the row was claimed with
+	Status  int
+	Headers []byte // the stored headers' JSON
+	Body    []byte
 	// LeaseLeft is how long the row's lease still runs, by the database's
 	// clock when the statement ran: positive while it runs, zero or
 	// negative once it has run out, zero without a lease.
 	LeaseLeft time.Duration
 }
 
-// LeaseLive reports whether the row is in progress in lease mode with a
-// lease that has not run out.
-func (r Row) LeaseLive() bool { return r.Leased && r.LeaseLeft > 0 }
+// Scan receives the columns of a key's row as every statement that reads
+// one returns them, in this order: payload_digest, response_status (0
+// without an answer), response_headers, response_body, whether the row is
+// completed, whether it is a lease-mode row in progress, and the lease's
+// time left in nanoseconds (rowColumns, keyRowColumns). Both adapters
+// read through Read or Lookup: the one place a row becomes a State.
+type Scan struct {
+	// Locked is whether the key's lock is this transaction's: the first
+	// column of a lookup, or TryLock's answer.
+	Locked       bool
+	row          Row
+	status       int64
+	done, leased bool
+}
+
+// dest returns lead, the destinations of the row's columns, and trail.
+func (s *Scan) dest(lead, trail []any) []any {
+	d := make([]any, 0, len(lead)+7+len(trail))
+	d = append(d, lead...)
+	d = append(d, &s.row.Digest, &s.status, &s.row.Headers, &s.row.Body, &s.done, &s.leased, &s.row.LeaseLeft)
+	return append(d, trail...)
+}
+
+// Read reads, with scan (an adapter's Scan of one row), lead and then the
+// row's columns, and returns the Row.
+func (s *Scan) Read(scan func(dest ...any) error, lead ...any) (Row, error) {
+	err := scan(s.dest(lead, nil)...)
+	return s.Row(), err
+}
+
+// Lookup reads, with scan, a lookup's row (Queries.Lookup,
+// LookupRestoring): the key's lock, the row's columns, then trail.
+func Lookup(scan func(dest ...any) error, trail ...any) (Row, error) {
+	var s Scan
+	err := scan(s.dest([]any{&s.Locked}, trail)...)
+	return s.Row(), err
+}
+
+// Row is the row scanned, with its State. A key without a row reads as a
+// NULL payload_digest (or no row at all: Scan untouched).
+func (s *Scan) Row() Row {
+	r := s.row
+	r.Status = int(s.status)
+	switch {
+	case r.Digest == nil && s.Locked:
+		r.State = Free
+	case r.Digest == nil:
+		r.State = InFlight
+	case s.done:
+		r.State = Completed
+	case s.leased && r.LeaseLeft > 0:
+		r.State = LeaseLive
+	case s.leased && s.Locked:
+		r.State = LeaseExpired
+	case s.leased:
+		r.State = TakingOver
+	default:
+		r.State = Unanswered
+	}
+	return r
+}
 
 // Lease is what a lease-mode claim found: Won with the claim's fencing
 // Token (TookOver when it took over a key whose lease had run out);
@@ -69,20 +151,23 @@ type LeaseTx interface {
 // owns the key: its lease ran out and another delivery took the key over.
 var ErrFenced = errors.New("the key's lease ran out and another delivery took it over")
 
-// Begun is what Driver.Begin found: Won when the claim inserted the key;
-// otherwise Row, read by a statement after the claim's.
+// Begun is what Driver.Begin did: Won when the claim inserted the key;
+// otherwise Row, read by a statement after the claim's. Tx is the claim's
+// transaction, open, unless Answered: the key's answer (Row, Completed) was
+// read without a transaction (summary.Summaries.Answered), and Tx is nil.
 type Begun struct {
-	Won bool
-	Row Row
+	Tx       Tx
+	Won      bool
+	Answered bool
+	Row      Row
 }
 
 // Driver begins claims on one database and table.
 type Driver interface {
 	// Begin begins a transaction, claims the key in it and, when the claim
 	// inserted nothing, reads the key's row and lock with a new statement.
-	// On error no transaction is left open. Tx is nil when the key's
-	// answer was read without a transaction (Summaries.Answered).
-	Begin(ctx context.Context, a *Args) (Tx, Begun, error)
+	// On error no transaction is left open.
+	Begin(ctx context.Context, a *Args) (Begun, error)
 	// PoolCap is the connection pool's cap, 0 for none.
 	PoolCap() int
 
@@ -115,11 +200,11 @@ type Tx interface {
 	// a lease that ran out. False when the row changed meanwhile.
 	TakeOver(ctx context.Context, a *Args) (bool, error)
 	// Wait waits at most d for the key's lock, with lock_timeout set for
-	// this transaction, and returns lock_timeout's value from before.
-	Wait(ctx context.Context, lock int64, d time.Duration) (string, error)
-	// LookupRestoring reads the key's row and lock after Wait, with a new
-	// statement, and sets lock_timeout back to lockTimeout.
-	LookupRestoring(ctx context.Context, a *Args, lockTimeout string) (Row, error)
+	// this transaction meanwhile (SQLSTATE 55P03 when d runs out), then
+	// reads the key's row and lock with a new statement, whose snapshot
+	// comes after the wait, and gives the transaction back the
+	// lock_timeout it had before (Queries.Wait, LookupRestoring).
+	Wait(ctx context.Context, a *Args, d time.Duration) (Row, error)
 	// Commit stores the answer in the key's row and commits. An error means
 	// nothing was committed; the caller then calls Rollback.
 	Commit(ctx context.Context, a *Args, status int, headers, body []byte) error
@@ -143,6 +228,17 @@ var ErrTxEnded = errors.New("the transaction was ended by the handler; its write
 // ErrNotStored is Commit's error when the answer's UPDATE found no claim to
 // complete: the handler deleted or completed the key's row itself.
 var ErrNotStored = errors.New("idem: storing the response found no claim to complete")
+
+// SQLState returns the SQLSTATE code of a PostgreSQL error, or "": pgx's
+// *pgconn.PgError and any driver error with the same method. The one place
+// an error's code is read, for the engine and both adapters.
+func SQLState(err error) string {
+	var pe interface{ SQLState() string }
+	if errors.As(err, &pe) {
+		return pe.SQLState()
+	}
+	return ""
+}
 
 // LockTimeout is the lock_timeout setting for a wait of d: whole
 // milliseconds, at least 1 (0 would mean "wait forever").
@@ -187,7 +283,7 @@ func (q *Queries) EndLease(keep bool) string {
 	return q.ReleaseLease
 }
 
-// leaseColumns read a row's lease state, for Row.Leased and Row.LeaseLeft:
+// leaseColumns read a row's lease state, for Scan (State and LeaseLeft):
 // an in-progress row of lease mode, and how long its lease still runs, in
 // nanoseconds (0 without a lease). The time left is positive exactly when
 // lease_until > now(), since both have whole microseconds. Without a
@@ -199,6 +295,11 @@ func leaseColumns(prefix string) string {
 	}
 	return prefix + `lease_until IS NOT NULL AND ` + prefix + `completed_at IS NULL, ` + left
 }
+
+// rowColumns are Scan's columns, read from the row aliased r: a key
+// without a row reads as a NULL payload_digest.
+var rowColumns = `r.payload_digest, coalesce(r.response_status, 0), r.response_headers, r.response_body,
+       r.completed_at IS NOT NULL, ` + leaseColumns("r.")
 
 // NewQueries builds the statements for the table quoted (already quoted:
 // "schema"."name" or "name").
@@ -238,16 +339,14 @@ RETURNING true`,
 		// lock is free (or already ours). A new statement takes a new
 		// snapshot (at READ COMMITTED), so it sees a row that committed
 		// while the claim ran or waited.
-		Lookup: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, ` + leaseColumns("r.") + `
+		Lookup: `SELECT pg_try_advisory_xact_lock($3), ` + rowColumns + `
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
 
 		// The lookup after a wait, which gives the transaction back the
 		// lock_timeout it had before: the claim may go on to run the
 		// handler in this transaction.
-		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), r.payload_digest, r.response_status, r.response_headers,
-       r.response_body, r.completed_at IS NOT NULL, ` + leaseColumns("r.") + `,
+		LookupRestoring: `SELECT pg_try_advisory_xact_lock($3), ` + rowColumns + `,
        set_config('lock_timeout', $4, true)
 FROM (VALUES (1)) AS one
 LEFT JOIN ` + q + ` AS r ON r.source = $1 AND r.event_id = $2` + notAhead("r."),
@@ -263,8 +362,7 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 		Complete: complete,
 
 		TryLock: `SELECT pg_try_advisory_xact_lock($1)`,
-		Read: `SELECT r.payload_digest, r.response_status, r.response_headers, r.response_body, r.completed_at IS NOT NULL,
-       ` + leaseColumns("r.") + `
+		Read: `SELECT ` + rowColumns + `
 FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2` + notAhead("r."),
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,

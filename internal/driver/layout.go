@@ -56,7 +56,7 @@ const keyColumns = `source, event_id, payload_digest, response_status, response_
 
 // PartitionQueries are the statements of a claim on a partitioned table
 // whose key the summaries of the past partitions rule out of all but past
-// (Summaries): the plain table's statements on the current partition
+// (summary.Summaries): the plain table's statements on the current partition
 // (whose own primary key ON CONFLICT uses), except that the claim first
 // looks for the key in past (ClaimPast) and the lookups read past too. The
 // partitions in past are closed: every transaction that could write a row
@@ -85,9 +85,9 @@ func union(partitions []string) string {
 	return src + `)`
 }
 
-// answeredIn is the statement of Summaries.Answered: the answer of the
+// AnsweredIn is the statement of summary.Summaries.Answered: the answer of the
 // key's row in the partitions past, if it has one.
-func answeredIn(past []string) string {
+func AnsweredIn(past []string) string {
 	return `SELECT payload_digest, response_status, response_headers, response_body
 FROM ` + union(past) + ` AS k WHERE source = $1 AND event_id = $2 AND completed_at IS NOT NULL LIMIT 1`
 }
@@ -96,7 +96,7 @@ FROM ` + union(past) + ` AS k WHERE source = $1 AND event_id = $2 AND completed_
 // partitions may hold (src, a union of them): it reads the key's row there
 // and, only when there is none, claims the key in current as the plain
 // Claim does (the key's lock without waiting, then ON CONFLICT). It
-// returns whether it inserted, the transaction's start (Current.Holds),
+// returns whether it inserted, the transaction's start (summary.Current.Holds),
 // and the row it found in the past, if any: a redelivery of a completed
 // key costs no further statement.
 func claimPast(src, current string) string {
@@ -109,7 +109,7 @@ ins AS (
 SELECT coalesce((SELECT won FROM ins), false), now(), ` + keyRowColumns
 }
 
-const keyRowColumns = `r.payload_digest, r.response_status, r.response_headers, r.response_body, r.done,
+const keyRowColumns = `r.payload_digest, coalesce(r.response_status, 0), r.response_headers, r.response_body, coalesce(r.done, false),
        coalesce(r.leased, false), coalesce(r.lease_left, 0)
 FROM (VALUES (1)) AS one LEFT JOIN r ON true`
 
@@ -123,6 +123,19 @@ FROM (VALUES (1)) AS one LEFT JOIN r ON true`
 func notAhead(prefix string) string {
 	return " AND " + prefix + "claimed_at < statement_timestamp() + interval '1 minute'"
 }
+
+// PartitionBoundsSQL follows pg_inherits i JOIN pg_class c (a partition)
+// in a FROM list, for the listings of partitions: b, its bound's text,
+// NULL while it is being detached, 'DEFAULT' for a default partition; lo
+// and hi, its bounds, NULL for MINVALUE and MAXVALUE. The bound is printed
+// in ISO style, whose numeric offsets read back exactly whatever the
+// session's TimeZone (other styles print zone abbreviations, some of them
+// read back as another zone): DateStyle is set for the statement's
+// transaction before the bound is printed.
+const PartitionBoundsSQL = `CROSS JOIN LATERAL (SELECT CASE WHEN set_config('DateStyle', 'ISO', true) IS NOT NULL
+    THEN pg_get_expr(c.relpartbound, 0) END) AS pb(b) -- 0: no lock on the partition
+CROSS JOIN LATERAL (SELECT (regexp_match(pb.b, 'FROM [(]''([^'']*)''[)]'))[1]::timestamptz,
+    (regexp_match(pb.b, 'TO [(]''([^'']*)''[)]'))[1]::timestamptz) AS bounds(lo, hi)`
 
 // PartitionedSQL reports whether the table named by $1 (quoted, as
 // Queries.Table) is partitioned; NULL when it does not exist.

@@ -1,9 +1,11 @@
-package driver
+package summary
 
 import (
 	"hash/maphash"
 	"strconv"
 	"testing"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // A Bloom filter never rules out a key it holds, and rules out nearly every
@@ -13,16 +15,16 @@ func TestBloomHoldsItsKeysAndFewOthers(t *testing.T) {
 	const n = 50_000
 	f := newBloom(n)
 	for i := 0; i < n; i++ {
-		f.add(s.hash(&Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)}))
+		f.add(s.hash(&driver.Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)}))
 	}
 	for i := 0; i < n; i++ {
-		if !f.has(s.hash(&Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)})) {
+		if !f.has(s.hash(&driver.Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)})) {
 			t.Fatalf("evt_%d added but ruled out", i)
 		}
 	}
 	var passed int
 	for i := n; i < 11*n; i++ {
-		if f.has(s.hash(&Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)})) {
+		if f.has(s.hash(&driver.Args{Source: "stripe POST /hook", EventID: "evt_" + strconv.Itoa(i)})) {
 			passed++
 		}
 	}
@@ -30,10 +32,10 @@ func TestBloomHoldsItsKeysAndFewOthers(t *testing.T) {
 		t.Fatalf("%d of %d other keys got through (%.5f)", passed, 10*n, rate)
 	}
 	// The separator keeps the source and the event id apart.
-	if s.hash(&Args{Source: "a", EventID: "bc"}) == s.hash(&Args{Source: "ab", EventID: "c"}) {
+	if s.hash(&driver.Args{Source: "a", EventID: "bc"}) == s.hash(&driver.Args{Source: "ab", EventID: "c"}) {
 		t.Fatal("a/bc and ab/c hash alike")
 	}
-	if empty := newBloom(0); empty.has(s.hash(&Args{Source: "a", EventID: "b"})) {
+	if empty := newBloom(0); empty.has(s.hash(&driver.Args{Source: "a", EventID: "b"})) {
 		t.Fatal("an empty partition's filter holds a key")
 	}
 }
