@@ -17,6 +17,20 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// Where tests go. Each test file is named for what it checks: the claim
+// (claim_test, waiting_test, storm_test), the run and COMMIT (commit_test,
+// faults_test, latewrite_test), lease mode (lease_test,
+// lease_process_test), partitioned tables (partition_test, summary_test),
+// keys and presets (keyfunc_test, scope_test, verify_test,
+// verify_e2e_test), hostile input and hardening (hostile_test,
+// security_test, hardening_test), the wire (wire_test), the docs
+// (readme_test, guarantees_test, surface_test) and fuzzing (fuzz_test).
+// Every behaviour test builds its world with newFixture (this file), so the
+// same test runs on both adapters (IDEM_ADAPTER) and layouts
+// (IDEM_LAYOUT). Generic helpers (polling, roles, pools, clocks, keys
+// written straight into the table) live once, in internal/testdb, shared
+// with the idemops tests; the operations' own tests live in idemops.
+
 // fixture is one test's world: its own idempotency table and ledger table in
 // the test database, a middleware, and a server running the ledger handler
 // (or another) behind it.

@@ -74,7 +74,7 @@ func (o MigrateOptions) ahead() int {
 // ErrPartitionedIsolation is a claim's error (wrapped in ErrUnavailable,
 // answered 503) on a partitioned table when Options.TxOptions asks for
 // REPEATABLE READ or SERIALIZABLE: a claim there must take the key's lock
-// before the snapshot that looks for the key in every partition is taken,
+// before the snapshot that looks for the key in the partitions is taken,
 // which only READ COMMITTED allows (docs/partitioning.md).
 var ErrPartitionedIsolation = driver.ErrPartitionedIsolation
 

@@ -1,0 +1,62 @@
+package idem
+
+import (
+	"log/slog"
+	"strconv"
+)
+
+// replay answers a duplicate with the stored response. Headers set by
+// middleware outside this one stay; the stored ones are laid over them.
+func (x *exchange) replay(s *stored) {
+	dst := x.w.Header()
+	for k, v := range s.header {
+		dst[k] = append([]string(nil), v...) // the cache keeps its own
+	}
+	dst.Set("Idempotent-Replayed", "true")
+	x.obs.Outcome = OutcomeReplayed
+	x.send(s.status, s.body)
+}
+
+// answer sends the handler's own answer, after commit or rollback: the
+// client sees exactly the headers the handler left on its writer.
+func (x *exchange) answer(rec *recorder) {
+	dst := x.w.Header()
+	for k := range dst {
+		if _, keep := rec.header[k]; !keep {
+			delete(dst, k)
+		}
+	}
+	for k, v := range rec.header {
+		dst[k] = v
+	}
+	x.send(rec.finalStatus(), rec.body.Bytes())
+}
+
+func (x *exchange) send(status int, body []byte) {
+	x.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	x.obs.Status = status
+	x.observe()
+	x.w.WriteHeader(status)
+	_, _ = x.w.Write(body)
+}
+
+// fail answers with the middleware's own error.
+func (x *exchange) fail(o Outcome, p *Problem) {
+	p.Key = x.obs.Key
+	if p.retryable() {
+		retry := x.m.retryAfter
+		if p.retryAfter != "" {
+			retry = p.retryAfter
+		}
+		x.w.Header().Set("Retry-After", retry)
+	}
+	x.obs.Outcome, x.obs.Status, x.obs.Err = o, p.Status, p.Err
+	level := slog.LevelInfo
+	switch o {
+	case OutcomeStoreError, OutcomeRolledBack:
+		level = slog.LevelError
+	}
+	x.m.log(x, level, p.Title, p.Err)
+	x.observe()
+	x.m.errorHandler(x.w, x.r, p)
+}

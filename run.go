@@ -1,0 +1,209 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync/atomic"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// finisher ends a claimed request: a driver.Tx in single-transaction mode,
+// a leaseRun in lease mode.
+type finisher interface {
+	// Commit stores the answer and commits; an error means nothing was.
+	Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error
+	// Rollback rolls back whatever is open and gives up the key.
+	Rollback(ctx context.Context) error
+}
+
+// run calls the handler with state in its context, then commits its answer
+// or rolls everything back, all within ctx's deadline (HandlerTimeout from
+// the claim).
+func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state reqState, body []byte, next http.Handler) {
+	finished := false
+	defer func() {
+		if !finished { // the handler panicked: the panic goes on, nothing is sent
+			_ = tx.Rollback(ctx)
+			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, errors.New("idem: handler panicked")
+			x.observe()
+		}
+	}()
+
+	rec := newRecorder(x.w, m.maxResponse)
+	rec.onLate = func() { m.log(x, slog.LevelError, "write after the handler returned, ignored", ErrWriteAfterReturn) }
+	abandoned := false // a COMMIT still running reads the answer's bytes: they are not recycled
+	defer func() {
+		switch {
+		case finished && abandoned:
+			rec.retire()
+		case finished:
+			rec.release()
+		}
+	}()
+	x.state = state
+	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &x.state))
+	x.body.Reset(body)
+	r2.Body = &x.body
+	r2.ContentLength = int64(len(body))
+	next.ServeHTTP(rec, r2)
+	finished = true
+
+	status := rec.finalStatus()
+	final := m.finalStatus(status)
+	var headers []byte // the stored headers are part of the answer's size
+	if final {
+		headers = appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
+	}
+	switch {
+	case ctx.Err() != nil:
+		// Past HandlerTimeout, whatever the handler answered (often its
+		// own error about the deadline): roll back and say so, with
+		// Retry-After, so the sender retries.
+		_ = tx.Rollback(ctx)
+		x.fail(OutcomeRolledBack, problemFor(fmt.Errorf("%w: the handler returned %d after %v", ErrHandlerTimeout, status, m.handlerTimeout)))
+		return
+	case rec.overflow || len(headers)+rec.body.Len() > m.maxResponse:
+		_ = tx.Rollback(ctx)
+		x.fail(OutcomeRolledBack, problemFor(ErrResponseTooLarge))
+		return
+	case !final:
+		// Not final: roll back the claim and the handler's writes, so the
+		// sender's retry runs again; send the handler's answer as it is.
+		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
+			m.log(x, slog.LevelWarn, "rollback failed", err)
+		}
+		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not a final status", status)
+		m.log(x, slog.LevelInfo, "rolled back: the handler's status is not final", x.obs.Err)
+		x.answer(rec)
+		return
+	}
+
+	answer := rec.body.Bytes()
+	if answer == nil {
+		answer = []byte{} // an empty answer is stored as '', not NULL
+	}
+	if err := m.commit(ctx, x, tx, status, headers, answer); err != nil {
+		abandoned = errors.Is(err, errCommitPending)
+		p, o := m.finishProblem(ctx, err)
+		x.fail(o, p)
+		return
+	}
+	x.obs.Outcome = OutcomeCompleted
+	x.answer(rec)
+}
+
+// errCommitPending: HandlerTimeout passed while the COMMIT was still
+// waiting for its answer, typically for a synchronous standby to confirm.
+var errCommitPending = errors.New("idem: the COMMIT had not answered by the deadline; it goes on, and the key stays in flight until it ends")
+
+// commit stores the answer and commits, or rolls back if that fails, and
+// returns when the COMMIT answers or ctx ends, whichever comes first.
+//
+// The COMMIT itself is never cancelled: the adapters send it on a context
+// that does not end. A COMMIT that waits for a synchronous standby and is
+// cancelled (a CancelRequest, which pgx sends when a context ends during a
+// query, with either of its context watchers) commits locally anyway,
+// unreplicated, and PostgreSQL reports it as a success with only a
+// WARNING: the event would be answered 2xx, and replayed 2xx to its
+// redeliveries, though a failover would lose it. So when ctx ends first, the answer is 503 and the
+// COMMIT goes on in the background, holding its connection and the key's
+// lock (duplicates are answered 409) until the standby confirms (a
+// redelivery then gets the stored answer) or the primary goes away (the key
+// is free again on the new primary). See docs/durability.md.
+func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, status int, headers, answer []byte) error {
+	if err := ctx.Err(); err != nil { // the handler returned past its deadline
+		_ = tx.Rollback(ctx)
+		return err
+	}
+	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.r.Method,
+		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
+	go c.run()
+	var err error
+	select {
+	case err = <-c.done:
+	case <-ctx.Done():
+		if c.state.CompareAndSwap(commitRunning, commitAbandoned) {
+			return fmt.Errorf("%w: %w", errCommitPending, ctx.Err())
+		}
+		err = <-c.done // it answered just now
+	}
+	if p, ok := err.(commitPanic); ok {
+		panic(p.v)
+	}
+	return err
+}
+
+// pendingCommit is a COMMIT on its own goroutine, with all it needs, which
+// may outlive its request.
+type pendingCommit struct {
+	m               *Middleware
+	ctx             context.Context
+	tx              finisher
+	args            driver.Args
+	key             Key
+	method          string
+	status          int
+	headers, answer []byte
+	state           atomic.Int32 // commitRunning, then commitAnswered or commitAbandoned
+	done            chan error
+}
+
+func (c *pendingCommit) run() {
+	var err error
+	defer func() {
+		if p := recover(); p != nil { // a driver's hook: panic on the request's goroutine
+			_ = c.tx.Rollback(c.ctx)
+			err = commitPanic{p}
+		}
+		if c.state.CompareAndSwap(commitRunning, commitAnswered) {
+			c.done <- err
+		} else {
+			c.m.logLateCommit(c.key, c.method, err)
+		}
+	}()
+	if err = c.tx.Commit(c.ctx, &c.args, c.status, c.headers, c.answer); err != nil {
+		_ = c.tx.Rollback(c.ctx)
+	}
+}
+
+// commitPanic carries a panic of the COMMIT's goroutine to the request's.
+type commitPanic struct{ v any }
+
+func (p commitPanic) Error() string { return fmt.Sprint("idem: the COMMIT panicked: ", p.v) }
+
+// The states of a COMMIT that commit waits for.
+const (
+	commitRunning int32 = iota
+	commitAnswered
+	commitAbandoned
+)
+
+// logLateCommit logs how a COMMIT ended after its request was answered 503.
+func (m *Middleware) logLateCommit(key Key, method string, err error) {
+	level, msg := slog.LevelWarn, "idem: a COMMIT answered 503 for its deadline completed afterwards; redeliveries get its stored answer"
+	if err != nil {
+		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline ended afterwards with an error"
+	}
+	m.logr().LogAttrs(context.Background(), level, msg,
+		slog.String("source", key.Source), slog.String("event_id", key.EventID),
+		slog.String("method", method), slog.Any("error", err))
+}
+
+// finishProblem names why storing the answer or committing failed.
+func (m *Middleware) finishProblem(ctx context.Context, err error) (*Problem, Outcome) {
+	switch {
+	case errors.Is(err, driver.ErrFenced):
+		return problemFor(fmt.Errorf("%w: %w", ErrLeaseExpired, err)), OutcomeFenced
+	case ctx.Err() != nil:
+		return problemFor(fmt.Errorf("%w: %w", ErrHandlerTimeout, err)), OutcomeRolledBack
+	case errors.Is(err, driver.ErrTxDone):
+		return problemFor(fmt.Errorf("%w: %w", ErrTxMisuse, err)), OutcomeRolledBack
+	case driver.SQLState(err) == "25P02": // in_failed_sql_transaction
+		return problemFor(fmt.Errorf("%w: %w", ErrTxAborted, err)), OutcomeRolledBack
+	}
+	return problemFor(fmt.Errorf("%w: %w", ErrUnavailable, err)), OutcomeStoreError
+}
