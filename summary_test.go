@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/internal/summary"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -255,4 +256,28 @@ func TestSummariesClaimBegunPastTheBoundaryClaimsLockFirst(t *testing.T) {
 	assert.Equal(t, int64(1), s.NarrowClaims())
 	assert.Equal(t, int64(3), f.runs.Load())
 	assert.Equal(t, 3, f.ledgerRows())
+}
+
+// A claim on the current partition alone (the summaries rule the key out of
+// the past ones) locks that partition, not the partitioned table: check
+// still counts it in flight.
+func TestCheckSeesAClaimOnTheCurrentPartition(t *testing.T) {
+	t.Parallel()
+	entered, done := make(chan struct{}), make(chan struct{})
+	f := newPartitionedFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-done
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	s := summarise(t, f)
+	answered := make(chan int, 1)
+	go func() { answered <- f.post("evt_now", "{}").status }()
+	<-entered
+	require.Equal(t, int64(1), s.FastClaims(), "the key is claimed on the current partition")
+	r, err := idemops.Check(context.Background(), f.db, idemops.CheckOptions{Table: f.table, StuckAfter: time.Nanosecond})
+	close(done)
+	require.NoError(t, err)
+	assert.Equal(t, 1, r.InFlight)
+	assert.Len(t, r.Stuck, 1)
+	assert.Equal(t, http.StatusNoContent, <-answered)
 }

@@ -78,7 +78,8 @@ SELECT a.pid, a.xact_start, coalesce(extract(epoch FROM now() - a.xact_start), 0
 FROM pg_stat_activity a
 WHERE a.pid <> pg_backend_pid()
   AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
-              AND l.locktype = 'relation' AND l.relation = to_regclass($1))
+              AND l.locktype = 'relation' AND (l.relation = to_regclass($1)
+                   OR l.relation IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass($1))))
   AND EXISTS (SELECT 1 FROM pg_locks l, d WHERE l.pid = a.pid AND l.granted AND l.database = d.oid
               AND l.locktype = 'advisory' AND l.objsubid = 1)
 ORDER BY a.xact_start NULLS FIRST, a.pid`, t.Quoted)
