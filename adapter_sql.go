@@ -5,219 +5,132 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/summary"
 )
 
-// sqlDriver is the database/sql adapter: each operation is a sequence of
-// statements on a *sql.Tx, one round trip each.
-type sqlDriver struct {
-	db     *sql.DB
-	q      driver.Queries
-	opts   *sql.TxOptions
-	layout driver.Layout // whether the table is partitioned: adapter_sql_partitioned.go
-	sum    summary.Lazy  // of a partitioned table's past partitions
-}
+// sqlPool is the database/sql adapter (driver.Pool): each statement is a
+// round trip of its own, sent on the claim's *sql.Tx or, outside a
+// transaction, on any connection of the *sql.DB. It decides nothing:
+// package claims does.
+type sqlPool struct{ db *sql.DB }
 
-func (d *sqlDriver) PoolCap() int { return d.db.Stats().MaxOpenConnections }
+// Acquire takes no connection yet: database/sql takes one for the
+// transaction when it begins, or for each statement outside one.
+func (p sqlPool) Acquire(context.Context) (driver.Conn, error) { return &sqlConn{db: p.db}, nil }
 
-// begin begins a transaction whose COMMIT is never cancelled: database/sql
-// sends COMMIT on the context the transaction began with, through pgx,
-// which cancels a query whose context ends, and a COMMIT waiting for a
-// synchronous standby would then commit locally, unreplicated, and answer
-// success. So the transaction begins on a context that does not end (which
-// also spares database/sql a goroutine watching it); every statement is
-// sent with ctx, and the engine rolls back what it does not commit.
-func (d *sqlDriver) begin(ctx context.Context, q *driver.Queries, opts *sql.TxOptions) (*sqlTx, error) {
-	tx, err := d.db.BeginTx(context.WithoutCancel(ctx), opts)
+func (p sqlPool) Pipelines() bool { return false }
+
+func (p sqlPool) Cap() int { return p.db.Stats().MaxOpenConnections }
+
+func (p sqlPool) Query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
+	rows, err := p.db.QueryContext(ctx, query, args...)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	return &sqlTx{tx: tx, q: q}, nil
+	defer rows.Close()
+	return summary.EachRow(rows, each)
 }
 
-func (d *sqlDriver) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
-	partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned)
-	if err != nil {
-		return driver.Begun{}, err
-	}
-	if partitioned {
-		return d.beginPartitioned(ctx, a)
-	}
-	t, err := d.begin(ctx, &d.q, d.opts)
-	if err != nil {
-		return driver.Begun{}, err
-	}
-	b, err := t.claimPlain(ctx, a)
-	if err != nil {
-		_ = t.Rollback(ctx)
-	}
-	if driver.SQLState(err) == driver.NoConflictTarget {
-		// The table has become partitioned (docs/partitioning.md): ask
-		// again, and claim as on one if so.
-		d.layout.Forget()
-		if p, perr := d.layout.Partitioned(ctx, d.askPartitioned); perr == nil && p {
-			return d.beginPartitioned(ctx, a)
-		}
-	}
-	if err != nil {
-		return driver.Begun{}, err
-	}
-	b.Tx = t
-	return b, nil
+// sqlConn is a claim's statements on database/sql: tx while a transaction
+// is open.
+type sqlConn struct {
+	db *sql.DB
+	tx *sql.Tx
 }
 
-// claimPlain claims the key with t's plain statements, in its open
-// transaction: on a plain table, or on the current partition of a
-// partitioned one.
-func (t *sqlTx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, error) {
-	var b driver.Begun
-	var err error
-	b.Won, err = t.Claim(ctx, a)
-	if err == nil && !b.Won {
-		b.Row, err = driver.Lookup(t.tx.QueryRowContext(ctx, t.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
-	}
-	return b, err
+func (c *sqlConn) Handle() any { return c.tx }
+
+// sqlQuerier is what runs a statement: a *sql.Tx, *sql.Conn or *sql.DB.
+type sqlQuerier interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
-type sqlTx struct {
-	tx        *sql.Tx
-	q         *driver.Queries
-	lockFirst bool // a partitioned table's claim: adapter_sql_partitioned.go
-}
-
-func (t *sqlTx) Handle() any { return t.tx }
-
-func (t *sqlTx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
-	if t.lockFirst {
-		b, err := t.claimOrRead(ctx, a, true)
-		return b.Won, err
-	}
-	var won bool
-	err := t.tx.QueryRowContext(ctx, t.q.Claim, a.Source, a.EventID, a.Digest, a.Lock).Scan(&won)
-	if errors.Is(err, sql.ErrNoRows) {
-		return false, nil
-	}
-	return won, err
-}
-
-func (t *sqlTx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.Row, error) {
-	var old, restored string
-	var locked sql.NullString
-	if err := t.tx.QueryRowContext(ctx, t.q.Wait, a.Lock, driver.LockTimeout(d)).Scan(&old, &locked); err != nil {
-		return driver.Row{}, err
-	}
-	return driver.Lookup(t.tx.QueryRowContext(ctx, t.q.LookupRestoring, a.Source, a.EventID, a.Lock, old).Scan, &restored)
-}
-
-func (t *sqlTx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
-	res, err := t.tx.ExecContext(ctx, t.q.TakeOver, a.Source, a.EventID, a.Digest, a.Lock)
-	if err != nil {
-		return false, err
-	}
-	n, err := res.RowsAffected()
-	return n == 1, err
-}
-
-func (t *sqlTx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
-	complete := t.q.Complete
-	if t.lockFirst {
-		complete = t.q.CompleteClaimedNow // one partition, not each
-	}
-	return t.commitWith(ctx, driver.ErrNotStored, complete, a.Source, a.EventID, status, string(headers), body)
-}
-
-// Complete is the lease-mode commit: the answer is stored only if token
-// still owns the key.
-func (t *sqlTx) Complete(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	return t.commitWith(ctx, driver.ErrFenced, t.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
-}
-
-// commitWith runs the statement that stores the answer, which must change
-// one row (else the error is none), and commits.
-func (t *sqlTx) commitWith(ctx context.Context, none error, query string, args ...any) error {
-	res, err := t.tx.ExecContext(ctx, query, args...)
-	if err == nil {
-		err = oneRow(res, none)
-	}
-	if err == nil {
-		err = ctx.Err() // the deadline passed: the engine rolls back
-	}
-	if err == nil {
-		err = t.tx.Commit() // on a context that does not end
-	}
-	if errors.Is(err, sql.ErrTxDone) {
+// Send sends b's statements one by one. The transaction begins on a
+// context that does not end, because database/sql sends COMMIT on the
+// context a transaction began with, through pgx, which cancels a query
+// whose context ends, and a COMMIT must never be cancelled
+// (driver.Batch.Commit); that also spares database/sql a goroutine
+// watching it. Every statement is sent with ctx, and COMMIT only while ctx
+// lasts.
+func (c *sqlConn) Send(ctx context.Context, b *driver.Batch) error {
+	err := c.send(ctx, b)
+	if errors.Is(err, sql.ErrTxDone) { // the handler ended the transaction
 		err = fmt.Errorf("%w: %w: %w", driver.ErrTxDone, driver.ErrTxEnded, err)
 	}
 	return err
 }
 
-// oneRow is nil when res changed exactly one row, else none (or the error
-// reading the count).
-func oneRow(res sql.Result, none error) error {
-	n, err := res.RowsAffected()
-	if err == nil && n != 1 {
-		err = fmt.Errorf("%w (%d rows)", none, n)
-	}
-	return err
-}
-
-func (d *sqlDriver) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
-	if partitioned, err := d.layout.Partitioned(ctx, d.askPartitioned); err != nil || partitioned {
+func (c *sqlConn) send(ctx context.Context, b *driver.Batch) error {
+	if b.Begin != nil {
+		tx, err := c.db.BeginTx(context.WithoutCancel(ctx), b.Begin)
 		if err != nil {
-			return driver.Lease{}, err
+			return err
 		}
-		return d.claimLeaseLockFirst(ctx, a, lease, token)
+		c.tx = tx
 	}
-	var l driver.Lease
-	err := d.db.QueryRowContext(ctx, d.q.ClaimLease, a.Source, a.EventID, a.Digest, a.Lock, lease.Microseconds(), token, driver.LockTimeout(wait)).Scan(&l.TookOver)
+	for i := range b.Stmts {
+		if err := c.run(ctx, &b.Stmts[i], b.Commit); err != nil {
+			return err
+		}
+	}
 	switch {
-	case err == nil:
-		l.Won, l.Token = true, token
-		return l, nil
-	case !errors.Is(err, sql.ErrNoRows):
-		return l, err
+	case c.tx == nil:
+		return nil
+	case b.Commit:
+		if err := ctx.Err(); err != nil {
+			return err // the deadline passed: the engine rolls back
+		}
+		tx := c.tx
+		c.tx = nil
+		return tx.Commit()
+	case b.Rollback:
+		return c.Close(ctx)
 	}
-	l.Row, err = driver.Lookup(d.db.QueryRowContext(ctx, d.q.Lookup, a.Source, a.EventID, a.Lock).Scan)
-	return l, err
+	return nil
 }
 
-func (d *sqlDriver) BeginLease(ctx context.Context) (driver.LeaseTx, error) {
-	t, err := d.begin(ctx, &d.q, d.opts)
-	if err != nil {
-		return nil, err
+// run sends one statement: in the transaction; outside one, on any
+// connection, or, when it commits (a statement of a committing batch), on
+// a connection taken within ctx and sent on a context that does not end.
+func (c *sqlConn) run(ctx context.Context, s *driver.Stmt, commits bool) error {
+	var q sqlQuerier = c.db
+	switch {
+	case c.tx != nil:
+		q = c.tx
+	case commits:
+		conn, err := c.db.Conn(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		q, ctx = conn, context.WithoutCancel(ctx)
 	}
-	return t, nil
-}
-
-// CompleteLease stores the answer in a statement that commits on its own:
-// the connection is taken within ctx, and the statement sent on a context
-// that does not end (see begin); the engine stops waiting for it at its
-// deadline.
-func (d *sqlDriver) CompleteLease(ctx context.Context, a *driver.Args, token int64, status int, headers, body []byte) error {
-	conn, err := d.db.Conn(ctx) // waiting for a connection ends with ctx
-	if err != nil {
+	if s.Dest == nil {
+		res, err := q.ExecContext(ctx, s.SQL, s.Args...)
+		if err == nil {
+			s.N, err = res.RowsAffected()
+		}
 		return err
 	}
-	defer conn.Close()
-	res, err := conn.ExecContext(context.WithoutCancel(ctx), d.q.CompleteLease, a.Source, a.EventID, status, string(headers), body, token)
-	if err != nil {
-		return err
+	err := q.QueryRowContext(ctx, s.SQL, s.Args...).Scan(s.Dest...)
+	if errors.Is(err, sql.ErrNoRows) {
+		s.NoRow, err = true, nil
 	}
-	return oneRow(res, driver.ErrFenced)
-}
-
-func (d *sqlDriver) EndLease(ctx context.Context, a *driver.Args, token int64, keep bool) error {
-	_, err := d.db.ExecContext(ctx, d.q.EndLease(keep), a.Source, a.EventID, token)
 	return err
 }
 
-func (t *sqlTx) Rollback(context.Context) error {
-	err := t.tx.Rollback()
-	if errors.Is(err, sql.ErrTxDone) {
+// Close rolls back the transaction, if one is open.
+func (c *sqlConn) Close(context.Context) error {
+	tx := c.tx
+	if tx == nil {
 		return nil
 	}
-	return err
+	c.tx = nil
+	if err := tx.Rollback(); !errors.Is(err, sql.ErrTxDone) {
+		return err
+	}
+	return nil
 }

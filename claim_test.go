@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgidem/idem/internal/claims"
 	"github.com/pgidem/idem/internal/driver"
 
 	"github.com/stretchr/testify/assert"
@@ -22,7 +23,8 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.Quoted)}
+	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), nil)
+	require.NoError(t, err)
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_91f2"}
 	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
@@ -60,7 +62,8 @@ func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	db := openTestDB(t)
 	tbl, err := parseTable(newTestTable(t, db))
 	require.NoError(t, err)
-	d := &sqlDriver{db: db, q: driver.NewQueries(tbl.Quoted), opts: &sql.TxOptions{Isolation: sql.LevelReadCommitted}}
+	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	require.NoError(t, err)
 	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_wait"}
 	digest := sha256.Sum256([]byte("x"))

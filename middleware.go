@@ -47,9 +47,7 @@ func New(db *sql.DB, opts Options) (*Middleware, error) {
 	if db == nil {
 		return nil, errors.New("idem: New needs a *sql.DB")
 	}
-	m, err := newMiddleware(func(q driver.Queries) driver.Driver {
-		return &sqlDriver{db: db, q: q, opts: opts.TxOptions}
-	}, opts)
+	m, err := newMiddleware(sqlPool{db}, opts)
 	if err == nil && db.Stats().MaxOpenConnections == 0 {
 		// A retry storm opens a connection per concurrent request, past
 		// PostgreSQL's max_connections: every request then fails.
@@ -60,8 +58,8 @@ func New(db *sql.DB, opts Options) (*Middleware, error) {
 }
 
 func init() {
-	driver.NewMiddleware = func(newDriver func(driver.Queries) driver.Driver, opts any) (any, error) {
-		return newMiddleware(newDriver, opts.(Options))
+	driver.NewMiddleware = func(pool driver.Pool, opts any) (any, error) {
+		return newMiddleware(pool, opts.(Options))
 	}
 	driver.HandleFromContext = func(ctx context.Context) (any, bool) {
 		s, ok := ctx.Value(ctxKey{}).(*reqState)

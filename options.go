@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgidem/idem/internal/claims"
 	"github.com/pgidem/idem/internal/driver"
 )
 
@@ -187,9 +188,9 @@ type Options struct {
 	Observer func(Observation)
 }
 
-// newMiddleware validates opts and builds the engine on the driver that
-// newDriver makes for the table's queries.
-func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (*Middleware, error) {
+// newMiddleware validates opts and builds the engine, which claims keys
+// through pool.
+func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
 	if opts.KeyFunc == nil {
 		return nil, errors.New("idem: Options.KeyFunc is required")
 	}
@@ -197,8 +198,12 @@ func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (
 	if err != nil {
 		return nil, err
 	}
+	store, err := claims.New(pool, driver.NewQueries(t.Quoted), opts.TxOptions)
+	if err != nil {
+		return nil, err
+	}
 	m := &Middleware{
-		drv:            newDriver(driver.NewQueries(t.Quoted)),
+		drv:            store,
 		table:          t,
 		keyFunc:        opts.KeyFunc,
 		lockWait:       opts.LockWait,

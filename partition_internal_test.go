@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/catalog"
+	"github.com/pgidem/idem/internal/claims"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -46,17 +48,18 @@ func TestPartitionedClaimLooksForTheKeyAfterTakingTheLock(t *testing.T) {
 			key := Key{Source: "test", EventID: "evt_old"}
 			lock := tbl.lockID(key)
 			var runs atomic.Int64
-			mw, err := newMiddleware(func(q driver.Queries) driver.Driver {
-				if tc.oneStatement {
-					// A claim that takes the key's lock (waiting) in the
-					// statement that looks for the key and inserts it.
-					q.TryLock = `SELECT $1::bigint IS NOT NULL`
-					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "WITH r AS MATERIALIZED (",
-						fmt.Sprintf("WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%d)),\nr AS MATERIALIZED (", lock), 1)
-					q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "FROM "+q.Table+" AS k WHERE", "FROM "+q.Table+" AS k, l WHERE", 1)
-				}
-				return &sqlDriver{db: db, q: q}
-			}, Options{KeyFunc: Header("test", "X-Event-Id"), Table: name, LockWait: time.Minute})
+			q := driver.NewQueries(tbl.Quoted)
+			if tc.oneStatement {
+				// A claim that takes the key's lock (waiting) in the
+				// statement that looks for the key and inserts it.
+				q.TryLock = `SELECT $1::bigint IS NOT NULL`
+				q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "WITH r AS MATERIALIZED (",
+					fmt.Sprintf("WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%d)),\nr AS MATERIALIZED (", lock), 1)
+				q.ClaimOrRead = strings.Replace(q.ClaimOrRead, "FROM "+q.Table+" AS k WHERE", "FROM "+q.Table+" AS k, l WHERE", 1)
+			}
+			mw, err := newMiddleware(sqlPool{db}, Options{KeyFunc: Header("test", "X-Event-Id"), Table: name, LockWait: time.Minute})
+			require.NoError(t, err)
+			mw.drv, err = claims.New(sqlPool{db}, q, nil)
 			require.NoError(t, err)
 			h := mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				runs.Add(1)
@@ -135,27 +138,27 @@ func TestPartitionedAnswerUpdatesOnePartition(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, len(parts), 5, "the past, the current partition and 3 ahead")
 
-	d := &sqlDriver{db: db, q: q}
+	d, err := claims.New(sqlPool{db}, q, nil)
+	require.NoError(t, err)
 	key := Key{Source: "test", EventID: "evt_new"}
 	a := &driver.Args{Source: key.Source, EventID: key.EventID, Digest: make([]byte, 32), Lock: tbl.lockID(key)}
 	b, err := d.Begin(ctx, a)
 	require.NoError(t, err)
 	defer func() { _ = b.Tx.Rollback(ctx) }()
 	require.True(t, b.Won)
-	c := b.Tx.(*sqlTx)
-	require.True(t, c.lockFirst, "the adapter found the table partitioned")
+	c := b.Tx.Handle().(*sql.Tx)
 
 	// The statement the adapter sends, run by EXPLAIN ANALYZE in the
 	// claim's transaction: the row is updated, and every other partition
 	// was removed from the plan when it started.
-	_, err = c.tx.ExecContext(ctx, "PREPARE complete_claimed(text, text, smallint, jsonb, bytea) AS "+q.CompleteClaimedNow)
+	_, err = c.ExecContext(ctx, "PREPARE complete_claimed(text, text, smallint, jsonb, bytea) AS "+q.CompleteClaimedNow)
 	require.NoError(t, err)
 	var plan string
-	require.NoError(t, c.tx.QueryRowContext(ctx,
+	require.NoError(t, c.QueryRowContext(ctx,
 		`EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF, FORMAT JSON) EXECUTE complete_claimed('test', 'evt_new', 201, NULL, 'ok')`).Scan(&plan))
 	assert.True(t, strings.Contains(plan, fmt.Sprintf(`"Subplans Removed": %d`, len(parts)-1)),
 		"the answer's UPDATE did not leave the other %d partitions out", len(parts)-1)
 	var status int
-	require.NoError(t, c.tx.QueryRowContext(ctx, "SELECT response_status FROM "+tbl.Quoted+" WHERE event_id = 'evt_new'").Scan(&status))
+	require.NoError(t, c.QueryRowContext(ctx, "SELECT response_status FROM "+tbl.Quoted+" WHERE event_id = 'evt_new'").Scan(&status))
 	assert.Equal(t, 201, status)
 }

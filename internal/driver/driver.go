@@ -1,10 +1,11 @@
 // Package driver is the seam between idem's engine (package idem: the claim,
-// the wait, the replay, the behaviour of every answer) and the two database
-// adapters under it: database/sql (in package idem) and pgx (package
-// idempgx). An adapter implements Driver and Tx: whole operations ("begin
-// and claim", "store the answer and commit"), each done the adapter's own
-// way (sequential statements on database/sql, one pipelined batch on pgx),
-// with the SQL of Queries, written once. The engine cannot tell which ran.
+// the wait, the replay, the behaviour of every answer) and the database.
+// The engine sees Driver and Tx: whole operations ("begin and claim",
+// "store the answer and commit"), implemented once, in package claims, with
+// the SQL of Queries. An adapter (database/sql in package idem, pgx in
+// package idempgx) implements only Pool and Conn (conn.go): how statements
+// travel, one round trip each on database/sql, pipelined on pgx. The
+// engine cannot tell which ran.
 //
 // Nothing here is public API: Go's internal rule keeps it to this module.
 package driver
@@ -69,8 +70,9 @@ type Row struct {
 // one returns them, in this order: payload_digest, response_status (0
 // without an answer), response_headers, response_body, whether the row is
 // completed, whether it is a lease-mode row in progress, and the lease's
-// time left in nanoseconds (rowColumns, keyRowColumns). Both adapters
-// read through Read or Lookup: the one place a row becomes a State.
+// time left in nanoseconds (rowColumns, keyRowColumns). Every statement's
+// row is read through Columns or Lookup, and becomes a State in Row: the
+// one place that happens.
 type Scan struct {
 	// Locked is whether the key's lock is this transaction's: the first
 	// column of a lookup, or TryLock's answer.
@@ -80,27 +82,15 @@ type Scan struct {
 	done, leased bool
 }
 
-// dest returns lead, the destinations of the row's columns, and trail.
-func (s *Scan) dest(lead, trail []any) []any {
-	d := make([]any, 0, len(lead)+7+len(trail))
-	d = append(d, lead...)
-	d = append(d, &s.row.Digest, &s.status, &s.row.Headers, &s.row.Body, &s.done, &s.leased, &s.row.LeaseLeft)
-	return append(d, trail...)
+// Columns are the destinations of lead, then of the row's columns.
+func (s *Scan) Columns(lead ...any) []any {
+	return append(lead, &s.row.Digest, &s.status, &s.row.Headers, &s.row.Body, &s.done, &s.leased, &s.row.LeaseLeft)
 }
 
-// Read reads, with scan (an adapter's Scan of one row), lead and then the
-// row's columns, and returns the Row.
-func (s *Scan) Read(scan func(dest ...any) error, lead ...any) (Row, error) {
-	err := scan(s.dest(lead, nil)...)
-	return s.Row(), err
-}
-
-// Lookup reads, with scan, a lookup's row (Queries.Lookup,
-// LookupRestoring): the key's lock, the row's columns, then trail.
-func Lookup(scan func(dest ...any) error, trail ...any) (Row, error) {
-	var s Scan
-	err := scan(s.dest([]any{&s.Locked}, trail)...)
-	return s.Row(), err
+// Lookup are the destinations of a lookup's columns (Queries.Lookup,
+// LookupRestoring): the key's lock, the row's, then trail.
+func (s *Scan) Lookup(trail ...any) []any {
+	return append(s.Columns(&s.Locked), trail...)
 }
 
 // Row is the row scanned, with its State. A key without a row reads as a
@@ -410,8 +400,8 @@ WHERE source = $1 AND event_id = $2 AND completed_at IS NULL AND lease_until < n
 // (idempgx imports idem, so idem is initialized first).
 var (
 	// NewMiddleware returns an *idem.Middleware for opts (an idem.Options)
-	// on the Driver that newDriver makes for the table's queries.
-	NewMiddleware func(newDriver func(Queries) Driver, opts any) (any, error)
+	// that claims keys through pool.
+	NewMiddleware func(pool Pool, opts any) (any, error)
 	// HandleFromContext returns the Handle of the request's transaction.
 	HandleFromContext func(ctx context.Context) (any, bool)
 )

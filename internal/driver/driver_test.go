@@ -29,17 +29,13 @@ func TestScanTurnsColumnsIntoOneState(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			s := Scan{Locked: c.locked}
-			row, err := s.Read(func(dest ...any) error {
-				*dest[0].(*[]byte) = c.digest
-				*dest[1].(*int64) = 201
-				*dest[4].(*bool) = c.done
-				*dest[5].(*bool) = c.leased
-				*dest[6].(*time.Duration) = c.left
-				return nil
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
+			dest := s.Columns()
+			*dest[0].(*[]byte) = c.digest
+			*dest[1].(*int64) = 201
+			*dest[4].(*bool) = c.done
+			*dest[5].(*bool) = c.leased
+			*dest[6].(*time.Duration) = c.left
+			row := s.Row()
 			if row.State != c.want {
 				t.Fatalf("state %d, want %d", row.State, c.want)
 			}
@@ -53,16 +49,17 @@ func TestScanTurnsColumnsIntoOneState(t *testing.T) {
 // A lookup's first column is the key's lock, and a trailing column (the
 // lock_timeout a wait restores) comes after the row's.
 func TestLookupReadsTheLockFirstAndTrailLast(t *testing.T) {
-	var restored string
-	row, err := Lookup(func(dest ...any) error {
-		if len(dest) != 9 {
-			t.Fatalf("%d columns", len(dest))
-		}
-		*dest[0].(*bool) = true
-		*dest[8].(*string) = "0"
-		return nil
-	}, &restored)
-	if err != nil || row.State != Free || restored != "0" {
-		t.Fatalf("%v %d %q", err, row.State, restored)
+	var (
+		restored string
+		s        Scan
+	)
+	dest := s.Lookup(&restored)
+	if len(dest) != 9 {
+		t.Fatalf("%d columns", len(dest))
+	}
+	*dest[0].(*bool) = true
+	*dest[8].(*string) = "0"
+	if row := s.Row(); row.State != Free || restored != "0" {
+		t.Fatalf("%d %q", row.State, restored)
 	}
 }
