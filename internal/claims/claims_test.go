@@ -60,8 +60,8 @@ func (p *fakePool) answer(name string, fs ...func(*driver.Stmt) error) {
 }
 
 func (p *fakePool) Acquire(context.Context) (driver.Conn, error) { return &fakeConn{p: p}, nil }
-func (p *fakePool) Pipelines() bool                               { return p.pipelines }
-func (p *fakePool) Cap() int                                      { return 10 }
+func (p *fakePool) Pipelines() bool                              { return p.pipelines }
+func (p *fakePool) Cap() int                                     { return 10 }
 func (p *fakePool) Query(_ context.Context, q string, _ []any, each func(func(...any) error) error) error {
 	if q != driver.PartitionedSQL {
 		return errors.New("unexpected query")
