@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
@@ -50,7 +51,7 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if pool == nil {
 		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
 	}
-	mw, err := driver.NewMiddleware(pgxPool{pool}, opts)
+	mw, err := driver.NewMiddleware(pgxPool{pool, int(pool.Config().MaxConns)}, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -91,7 +92,10 @@ func MigrateWith(ctx context.Context, pool *pgxpool.Pool, opts idem.MigrateOptio
 // pgxPool is the pgx adapter (driver.Pool): each batch is one pipelined
 // round trip, on a connection held from a claim's BEGIN to its end. It
 // decides nothing: package claims does.
-type pgxPool struct{ pool *pgxpool.Pool }
+type pgxPool struct {
+	pool *pgxpool.Pool
+	cap  int
+}
 
 func (p pgxPool) Acquire(ctx context.Context) (driver.Conn, error) {
 	conn, err := p.pool.Acquire(ctx)
@@ -103,20 +107,13 @@ func (p pgxPool) Acquire(ctx context.Context) (driver.Conn, error) {
 
 func (p pgxPool) Pipelines() bool { return true }
 
-func (p pgxPool) Cap() int { return int(p.pool.Config().MaxConns) }
+func (p pgxPool) Cap() int { return p.cap }
 
 func (p pgxPool) Query(ctx context.Context, query string, args []any, each func(func(...any) error) error) error {
-	rows, err := p.pool.Query(ctx, query, args...)
-	if err != nil {
-		return err
-	}
+	rows, _ := p.pool.Query(ctx, query, args...) // its error is rows.Err()'s too
 	defer rows.Close()
 	return summary.EachRow(rows, each)
 }
-
-// rollbackTimeout bounds a ROLLBACK sent after the request's own deadline
-// has passed; past it the connection is closed, which rolls back too.
-const rollbackTimeout = 5 * time.Second
 
 // pgxConn is a connection held from Acquire to Close.
 type pgxConn struct {
@@ -145,10 +142,8 @@ func (t *pgxConn) Send(ctx context.Context, b *driver.Batch) error {
 		if err := t.canCommit(ctx); err != nil {
 			return err
 		}
-		// Never cancelled: when a context ends during a query, pgx sends
-		// a CancelRequest (either context watcher: the default one closes
-		// the connection, which sends it too). The engine stops waiting at
-		// its deadline instead.
+		// Never cancelled: pgx cancels a query whose context ends (either
+		// context watcher); the engine stops waiting at its deadline.
 		ctx = context.WithoutCancel(ctx)
 		if t.open {
 			end = "COMMIT"
@@ -170,48 +165,45 @@ func (t *pgxConn) Send(ctx context.Context, b *driver.Batch) error {
 // read reads the results of a batch that Send sent.
 func (t *pgxConn) read(br pgx.BatchResults, b *driver.Batch, end string) error {
 	if b.Begin != nil {
-		t.h = newHandle(br.Tx())
+		t.h = &handleTx{tx: br.Tx()}
+		t.h.root = t.h
 		if _, err := br.Exec(); err != nil {
 			return err
 		}
 		t.open = true
 	}
 	for i := range b.Stmts {
-		s := &b.Stmts[i]
-		if s.Dest != nil {
-			if err := br.QueryRow().Scan(s.Dest...); errors.Is(err, pgx.ErrNoRows) {
-				s.NoRow = true
-			} else if err != nil {
-				return err
-			}
-			continue
+		s, err := &b.Stmts[i], error(nil)
+		if s.Dest == nil {
+			var tag pgconn.CommandTag
+			tag, err = br.Exec()
+			s.N = tag.RowsAffected()
+		} else if err = br.QueryRow().Scan(s.Dest...); errors.Is(err, pgx.ErrNoRows) {
+			s.NoRow, err = true, nil
 		}
-		tag, err := br.Exec()
 		if err != nil {
 			return err
 		}
-		s.N = tag.RowsAffected()
 	}
 	switch end {
+	case "":
+		return nil
 	case "ROLLBACK":
 		_, err := br.Exec()
 		t.open = t.open && err != nil
 		return err
-	case "COMMIT":
-		stop := watchCommit(t.c.PgConn()) // what is read from here on answers COMMIT
-		tag, err := br.Exec()
-		warned := stop()
-		switch {
-		case err != nil:
-			return err
-		case tag.String() != "COMMIT": // a statement failed earlier
-			t.open = false
-			return fmt.Errorf("idem: COMMIT answered %q: %w", tag.String(), pgx.ErrTxCommitRollback)
-		}
-		t.open = false
-		return warned // committed, but with a WARNING (DetectUnreplicatedCommits)
 	}
-	return nil
+	stop := watchCommit(t.c.PgConn()) // what is read from here on answers COMMIT
+	tag, err := br.Exec()
+	warned := stop()
+	t.open = false
+	switch {
+	case err != nil:
+		return err
+	case tag.String() != "COMMIT": // a statement failed earlier
+		return fmt.Errorf("idem: COMMIT answered %q: %w", tag.String(), pgx.ErrTxCommitRollback)
+	}
+	return warned // committed, but with a WARNING (DetectUnreplicatedCommits)
 }
 
 // canCommit refuses to commit a transaction the handler ended, or tried to
@@ -234,7 +226,9 @@ func (t *pgxConn) Close(ctx context.Context) error {
 	}
 	var err error
 	if t.open && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+		// Bounded, after the request's own deadline: past it the
+		// connection is closed, which rolls back too.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		err = t.h.tx.Rollback(rctx)
 		cancel()
 	}

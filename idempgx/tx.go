@@ -21,12 +21,6 @@ type handleTx struct {
 	closed bool      // on the root: the middleware ended the transaction
 }
 
-func newHandle(tx pgx.Tx) *handleTx {
-	t := &handleTx{tx: tx}
-	t.root = t
-	return t
-}
-
 func (t *handleTx) isClosed() bool { return t.root.closed }
 
 // Commit releases a savepoint. On the request's transaction it refuses: the
