@@ -166,34 +166,47 @@ func newStore(t *testing.T, p *fakePool, opts *sql.TxOptions) *Store {
 
 var rr = &sql.TxOptions{Isolation: sql.LevelRepeatableRead}
 
+// flow is one way a decision goes: on a Pool that pipelines or not, with
+// the user's options, and the batches it sends.
+type flow struct {
+	name      string
+	pipelines bool
+	opts      *sql.TxOptions
+	want      []string
+}
+
+// eachFlow runs do on a new fake Pool and Store for each flow, scripted
+// by script, and compares the batches sent with the flow's.
+func eachFlow(t *testing.T, flows []flow, script func(*fakePool), do func(t *testing.T, s *Store)) {
+	for _, f := range flows {
+		t.Run(f.name, func(t *testing.T) {
+			p := newFake(f.pipelines, nil)
+			script(p)
+			do(t, newStore(t, p, f.opts))
+			assert.Equal(t, f.want, p.log)
+		})
+	}
+}
+
 // A new key: pgx takes its lock and reads its row with BEGIN, then inserts
 // it completed with COMMIT; database/sql inserts it first, one statement
 // each.
 func TestANewKey(t *testing.T) {
 	ctx := context.Background()
-	for _, c := range []struct {
-		name      string
-		pipelines bool
-		opts      *sql.TxOptions
-		want      []string
-	}{
+	eachFlow(t, []flow{
 		{"pipelined", true, nil, []string{"layout?", "BEGIN(read committed) TryLock Read", "InsertCompleted COMMIT", "close"}},
 		{"pipelined, repeatable read", true, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "CompleteOrFail COMMIT", "close"}},
 		{"one by one", false, nil, []string{"layout?", "BEGIN() Claim", "Complete", "COMMIT", "close"}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			p := newFake(c.pipelines, nil)
-			p.answer("TryLock", values(true))
-			p.answer("Claim", values(true))
-			s := newStore(t, p, c.opts)
-			b, err := s.Begin(ctx, args)
-			require.NoError(t, err)
-			require.True(t, b.Won)
-			require.NoError(t, b.Tx.Commit(ctx, args, 201, nil, []byte("ok")))
-			require.NoError(t, b.Tx.Rollback(ctx))
-			assert.Equal(t, c.want, p.log)
-		})
-	}
+	}, func(p *fakePool) {
+		p.answer("TryLock", values(true))
+		p.answer("Claim", values(true))
+	}, func(t *testing.T, s *Store) {
+		b, err := s.Begin(ctx, args)
+		require.NoError(t, err)
+		require.True(t, b.Won)
+		require.NoError(t, b.Tx.Commit(ctx, args, 201, nil, []byte("ok")))
+		require.NoError(t, b.Tx.Rollback(ctx))
+	})
 }
 
 // A redelivery of a completed key reads its answer. Above READ COMMITTED
@@ -201,71 +214,53 @@ func TestANewKey(t *testing.T) {
 // before a wait could not see what the wait waited for.
 func TestACompletedKey(t *testing.T) {
 	ctx := context.Background()
-	for _, c := range []struct {
-		name      string
-		pipelines bool
-		opts      *sql.TxOptions
-		want      []string
-	}{
+	eachFlow(t, []flow{
 		{"pipelined", true, nil, []string{"layout?", "BEGIN(read committed) TryLock Read", "close"}},
 		{"pipelined, repeatable read", true, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "Lookup ROLLBACK", "close"}},
 		{"one by one", false, nil, []string{"layout?", "BEGIN() Claim", "Lookup", "close"}},
 		{"one by one, repeatable read", false, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "Lookup ROLLBACK", "close"}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			p := newFake(c.pipelines, nil)
-			p.answer("TryLock", values(false))
-			p.answer("Read", completed())
-			p.answer("Lookup", completed(false))
-			s := newStore(t, p, c.opts)
-			b, err := s.Begin(ctx, args)
-			require.NoError(t, err)
-			assert.False(t, b.Won)
-			assert.Equal(t, driver.Completed, b.Row.State)
-			assert.Equal(t, []byte("stored"), b.Row.Body)
-			require.NoError(t, b.Tx.Rollback(ctx))
-			assert.Equal(t, c.want, p.log)
-		})
-	}
+	}, func(p *fakePool) {
+		p.answer("TryLock", values(false))
+		p.answer("Read", completed())
+		p.answer("Lookup", completed(false))
+	}, func(t *testing.T, s *Store) {
+		b, err := s.Begin(ctx, args)
+		require.NoError(t, err)
+		assert.False(t, b.Won)
+		assert.Equal(t, driver.Completed, b.Row.State)
+		assert.Equal(t, []byte("stored"), b.Row.Body)
+		require.NoError(t, b.Tx.Rollback(ctx))
+	})
 }
 
 // A key in flight: the wait, then a lookup whose snapshot comes after it;
 // the original rolled back, so the key is claimed in this transaction.
 func TestAWaitThatEndsInAClaim(t *testing.T) {
 	ctx := context.Background()
-	for _, c := range []struct {
-		name      string
-		pipelines bool
-		opts      *sql.TxOptions
-		want      []string
-	}{
+	eachFlow(t, []flow{
 		{"pipelined", true, nil, []string{"layout?", "BEGIN(read committed) TryLock Read", "Wait", "LookupRestoring", "InsertCompleted COMMIT", "close"}},
 		{"pipelined, repeatable read", true, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "Lookup ROLLBACK",
 			"BEGIN(repeatable read) Wait", "LookupRestoring", "Claim", "CompleteOrFail COMMIT", "close"}},
 		{"one by one", false, nil, []string{"layout?", "BEGIN() Claim", "Lookup", "Wait", "LookupRestoring", "Claim", "Complete", "COMMIT", "close"}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			p := newFake(c.pipelines, nil)
-			p.answer("TryLock", values(false))
-			p.answer("Lookup", values(false))
-			p.answer("Wait", values("0", nil))
-			p.answer("LookupRestoring", values(true))
-			p.answer("Claim", func(s *driver.Stmt) error { s.NoRow = true; return nil }, values(true))
-			s := newStore(t, p, c.opts)
-			b, err := s.Begin(ctx, args)
-			require.NoError(t, err)
-			require.False(t, b.Won)
-			require.Equal(t, driver.InFlight, b.Row.State)
-			row, err := b.Tx.Wait(ctx, args, time.Second)
-			require.NoError(t, err)
-			require.Equal(t, driver.Free, row.State)
-			won, err := b.Tx.Claim(ctx, args)
-			require.NoError(t, err)
-			require.True(t, won)
-			require.NoError(t, b.Tx.Commit(ctx, args, 200, nil, nil))
-			assert.Equal(t, c.want, p.log)
-		})
-	}
+	}, func(p *fakePool) {
+		p.answer("TryLock", values(false))
+		p.answer("Lookup", values(false))
+		p.answer("Wait", values("0", nil))
+		p.answer("LookupRestoring", values(true))
+		p.answer("Claim", func(s *driver.Stmt) error { s.NoRow = true; return nil }, values(true))
+	}, func(t *testing.T, s *Store) {
+		b, err := s.Begin(ctx, args)
+		require.NoError(t, err)
+		require.False(t, b.Won)
+		require.Equal(t, driver.InFlight, b.Row.State)
+		row, err := b.Tx.Wait(ctx, args, time.Second)
+		require.NoError(t, err)
+		require.Equal(t, driver.Free, row.State)
+		won, err := b.Tx.Claim(ctx, args)
+		require.NoError(t, err)
+		require.True(t, won)
+		require.NoError(t, b.Tx.Commit(ctx, args, 200, nil, nil))
+	})
 }
 
 // An answer that finds no claim to complete is ErrNotStored, and nothing
@@ -273,28 +268,20 @@ func TestAWaitThatEndsInAClaim(t *testing.T) {
 // it; one by one, COMMIT is not sent.
 func TestAnAnswerThatStoresNothingDoesNotCommit(t *testing.T) {
 	ctx := context.Background()
-	for _, c := range []struct {
-		name      string
-		pipelines bool
-		want      []string
-	}{
-		{"pipelined", true, []string{"layout?", "BEGIN(repeatable read) Claim", "CompleteOrFail COMMIT", "close"}},
-		{"one by one", false, []string{"layout?", "BEGIN(repeatable read) Claim", "Complete", "close"}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			p := newFake(c.pipelines, nil)
-			p.answer("Claim", values(true))
-			p.answer("CompleteOrFail", failWith("22012"))
-			p.answer("Complete", changed(0))
-			s := newStore(t, p, rr)
-			b, err := s.Begin(ctx, args)
-			require.NoError(t, err)
-			err = b.Tx.Commit(ctx, args, 200, nil, nil)
-			require.ErrorIs(t, err, driver.ErrNotStored)
-			require.NoError(t, b.Tx.Rollback(ctx))
-			assert.Equal(t, c.want, p.log)
-		})
-	}
+	eachFlow(t, []flow{
+		{"pipelined", true, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "CompleteOrFail COMMIT", "close"}},
+		{"one by one", false, rr, []string{"layout?", "BEGIN(repeatable read) Claim", "Complete", "close"}},
+	}, func(p *fakePool) {
+		p.answer("Claim", values(true))
+		p.answer("CompleteOrFail", failWith("22012"))
+		p.answer("Complete", changed(0))
+	}, func(t *testing.T, s *Store) {
+		b, err := s.Begin(ctx, args)
+		require.NoError(t, err)
+		err = b.Tx.Commit(ctx, args, 200, nil, nil)
+		require.ErrorIs(t, err, driver.ErrNotStored)
+		require.NoError(t, b.Tx.Rollback(ctx))
+	})
 }
 
 // A lease that ran out is taken over with an UPDATE, and the answer is then
