@@ -29,7 +29,9 @@ import (
 // same test runs on both adapters (IDEM_ADAPTER) and layouts
 // (IDEM_LAYOUT). Generic helpers (polling, roles, pools, clocks, keys
 // written straight into the table) live once, in internal/testdb, shared
-// with the idemops tests; the operations' own tests live in idemops.
+// with the idemops tests; the operations' own tests live in idemops. Which
+// statements a claim sends, in which batches, is tested once for both
+// adapters in internal/claims, against a fake Pool.
 
 // fixture is one test's world: its own idempotency table and ledger table in
 // the test database, a middleware, and a server running the ledger handler
