@@ -26,6 +26,15 @@ type tx struct {
 	// inserts the key first (ClaimOrRead); the answer is then stored by
 	// CompleteClaimedNow, in one partition.
 	orRead bool
+	// b and st are the batch being sent, reused: a request allocates none.
+	b  driver.Batch
+	st [2]driver.Stmt
+}
+
+// batch returns t's batch, holding stmts and nothing else.
+func (t *tx) batch(stmts ...driver.Stmt) *driver.Batch {
+	t.b = driver.Batch{Stmts: append(t.st[:0], stmts...)}
+	return &t.b
 }
 
 // send sends b, beginning a transaction first when none is open.
@@ -56,8 +65,8 @@ func (t *tx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, erro
 // insert sends the claim's INSERT (Queries.Claim).
 func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
 	var won bool
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.Claim, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: []any{&won}}}}
-	err := t.send(ctx, &b)
+	b := t.batch(driver.Stmt{SQL: t.q.Claim, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: []any{&won}})
+	err := t.send(ctx, b)
 	return won, err
 }
 
@@ -68,11 +77,9 @@ func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
 // new one, whose snapshot comes after the wait.
 func (t *tx) lookup(ctx context.Context, a *driver.Args) (driver.Row, error) {
 	var s driver.Scan
-	b := driver.Batch{
-		Stmts:    []driver.Stmt{{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()}},
-		Rollback: t.opts.Isolation > sql.LevelReadCommitted,
-	}
-	err := t.c.Send(ctx, &b)
+	b := t.batch(driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()})
+	b.Rollback = t.opts.Isolation > sql.LevelReadCommitted
+	err := t.c.Send(ctx, b)
 	if err == nil && b.Rollback {
 		t.open = false
 	}
@@ -93,8 +100,8 @@ func (t *tx) lockAndRead(ctx context.Context, a *driver.Args) (driver.Begun, err
 	if t.current != nil {
 		lock.SQL, lock.Dest = summary.TryLockAt, []any{&s.Locked, &began}
 	}
-	b := driver.Batch{Stmts: []driver.Stmt{lock, {SQL: t.q.Read, Args: []any{a.Source, a.EventID}, Dest: s.Columns()}}}
-	err := t.send(ctx, &b)
+	b := t.batch(lock, driver.Stmt{SQL: t.q.Read, Args: []any{a.Source, a.EventID}, Dest: s.Columns()})
+	err := t.send(ctx, b)
 	if err == nil && t.current != nil && !t.current.Holds(began) {
 		err = summary.ErrOutside
 	}
@@ -119,8 +126,8 @@ func (t *tx) claimCurrent(ctx context.Context, a *driver.Args) (driver.Begun, er
 		began time.Time
 		s     driver.Scan // the lock does not matter: the lookup reads it
 	)
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.current.ClaimPast, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: s.Columns(&begun.Won, &began)}}}
-	err := t.send(ctx, &b)
+	b := t.batch(driver.Stmt{SQL: t.current.ClaimPast, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: s.Columns(&begun.Won, &began)})
+	err := t.send(ctx, b)
 	begun.Row = s.Row()
 	if err != nil || begun.Won || begun.Row.State == driver.Completed {
 		return begun, err
@@ -143,8 +150,8 @@ func (t *tx) claimEverywhere(ctx context.Context, a *driver.Args) (driver.Begun,
 	}
 	t.orRead = true
 	var locked bool
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.TryLock, Args: []any{a.Lock}, Dest: []any{&locked}}}}
-	if err := t.send(ctx, &b); err != nil {
+	b := t.batch(driver.Stmt{SQL: t.q.TryLock, Args: []any{a.Lock}, Dest: []any{&locked}})
+	if err := t.send(ctx, b); err != nil {
 		return driver.Begun{}, err
 	}
 	return t.claimOrRead(ctx, a, locked)
@@ -155,8 +162,8 @@ func (t *tx) claimEverywhere(ctx context.Context, a *driver.Args) (driver.Begun,
 func (t *tx) claimOrRead(ctx context.Context, a *driver.Args, locked bool) (driver.Begun, error) {
 	var begun driver.Begun
 	s := driver.Scan{Locked: locked}
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.ClaimOrRead, Args: []any{a.Source, a.EventID, a.Digest, locked}, Dest: s.Columns(&begun.Won)}}}
-	err := t.send(ctx, &b)
+	b := t.batch(driver.Stmt{SQL: t.q.ClaimOrRead, Args: []any{a.Source, a.EventID, a.Digest, locked}, Dest: s.Columns(&begun.Won)})
+	err := t.send(ctx, b)
 	begun.Row = s.Row()
 	return begun, err
 }
@@ -178,8 +185,8 @@ func (t *tx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 // TakeOver claims a key whose lease ran out: an UPDATE of its row (which
 // takes the key's lock itself), whose answer is then an UPDATE too.
 func (t *tx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}}}}
-	err := t.send(ctx, &b)
+	b := t.batch(driver.Stmt{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}})
+	err := t.send(ctx, b)
 	won := err == nil && b.Stmts[0].N == 1
 	if won {
 		t.insertAtEnd = false
@@ -196,16 +203,16 @@ func (t *tx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.
 		old    string
 		locked *string
 	)
-	b := driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.Wait, Args: []any{a.Lock, driver.LockTimeout(d)}, Dest: []any{&old, &locked}}}}
-	if err := t.send(ctx, &b); err != nil {
+	b := t.batch(driver.Stmt{SQL: t.q.Wait, Args: []any{a.Lock, driver.LockTimeout(d)}, Dest: []any{&old, &locked}})
+	if err := t.send(ctx, b); err != nil {
 		return driver.Row{}, err
 	}
 	var (
 		s        driver.Scan
 		restored string
 	)
-	b = driver.Batch{Stmts: []driver.Stmt{{SQL: t.q.LookupRestoring, Args: []any{a.Source, a.EventID, a.Lock, old}, Dest: s.Lookup(&restored)}}}
-	err := t.c.Send(ctx, &b)
+	b = t.batch(driver.Stmt{SQL: t.q.LookupRestoring, Args: []any{a.Source, a.EventID, a.Lock, old}, Dest: s.Lookup(&restored)})
+	err := t.c.Send(ctx, b)
 	return s.Row(), err
 }
 
@@ -240,17 +247,21 @@ func (t *tx) Complete(ctx context.Context, a *driver.Args, token int64, status i
 func (t *tx) commit(ctx context.Context, none error, store, failing string, args ...any) error {
 	var err error
 	if t.s.pipelines {
-		err = t.c.Send(ctx, &driver.Batch{Stmts: []driver.Stmt{{SQL: failing, Args: args}}, Commit: true})
+		b := t.batch(driver.Stmt{SQL: failing, Args: args})
+		b.Commit = true
+		err = t.c.Send(ctx, b)
 		if driver.SQLState(err) == "22012" {
 			err = fmt.Errorf("%w: %w", none, err)
 		}
 	} else {
-		b := driver.Batch{Stmts: []driver.Stmt{{SQL: store, Args: args}}}
-		if err = t.c.Send(ctx, &b); err == nil && b.Stmts[0].N != 1 {
+		b := t.batch(driver.Stmt{SQL: store, Args: args})
+		if err = t.c.Send(ctx, b); err == nil && b.Stmts[0].N != 1 {
 			err = fmt.Errorf("%w (%d rows)", none, b.Stmts[0].N)
 		}
 		if err == nil {
-			err = t.c.Send(ctx, &driver.Batch{Commit: true})
+			b = t.batch()
+			b.Commit = true
+			err = t.c.Send(ctx, b)
 		}
 	}
 	if err != nil {
