@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync/atomic"
+	"time"
 
 	"github.com/pgidem/idem/internal/driver"
 )
@@ -121,7 +122,7 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, statu
 	}
 	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.r.Method,
 		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
-	go c.run()
+	startCommit(c)
 	var err error
 	select {
 	case err = <-c.done:
@@ -167,6 +168,40 @@ func (c *pendingCommit) run() {
 	}()
 	if err = c.tx.Commit(c.ctx, &c.args, c.status, c.headers, c.answer); err != nil {
 		_ = c.tx.Rollback(c.ctx)
+	}
+}
+
+// commitWorkers hands a COMMIT to a goroutine waiting for one (commit runs
+// each on a goroutine of its own, so that its request can be answered at
+// its deadline while the COMMIT goes on). A goroutine that has run a COMMIT
+// waits commitWorkerIdle for the next one before it exits: under load the
+// COMMITs reuse a few goroutines whose stacks have already grown to what a
+// COMMIT needs, instead of starting, and growing, one per request (a tenth
+// of the process's CPU time in a profile of the load tool).
+var commitWorkers = make(chan *pendingCommit)
+
+const commitWorkerIdle = 100 * time.Millisecond
+
+// startCommit runs c on a waiting goroutine, or on a new one.
+func startCommit(c *pendingCommit) {
+	select {
+	case commitWorkers <- c:
+	default:
+		go commitWorker(c)
+	}
+}
+
+func commitWorker(c *pendingCommit) {
+	idle := time.NewTimer(commitWorkerIdle)
+	defer idle.Stop()
+	for {
+		c.run()
+		idle.Reset(commitWorkerIdle)
+		select {
+		case c = <-commitWorkers:
+		case <-idle.C:
+			return
+		}
 	}
 }
 
