@@ -111,3 +111,35 @@ func TestLockIDIgnoresHowTheTableIsSpelled(t *testing.T) {
 	assert.NotEqual(t, a.lockID(k), a.lockID(Key{Source: "stripe", EventID: "evt_2"}))
 	assert.NotEqual(t, a.lockID(Key{Source: "ab", EventID: "c"}), a.lockID(Key{Source: "a", EventID: "bc"}), "the separator counts")
 }
+
+// A lease-mode heartbeat moves the end of its own token's lease, on either
+// layout, and changes nothing once another delivery took the key over.
+func TestExtendLeaseMovesOnlyItsOwnTokensLease(t *testing.T) {
+	t.Parallel()
+	db := openTestDB(t)
+	tbl, err := parseTable(newTestTable(t, db))
+	require.NoError(t, err)
+	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), nil)
+	require.NoError(t, err)
+	ctx := context.Background()
+	k := Key{Source: "acme", EventID: "evt_heartbeat"}
+	digest := sha256.Sum256([]byte("x"))
+	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
+	l, err := d.ClaimLease(ctx, args, time.Second, time.Second, 42)
+	require.NoError(t, err)
+	require.True(t, l.Won)
+
+	require.NoError(t, d.ExtendLease(ctx, args, 42, time.Hour))
+	var left time.Duration
+	leaseLeft := func() time.Duration {
+		var us int64
+		require.NoError(t, db.QueryRowContext(ctx, `SELECT extract(epoch FROM lease_until - now())::bigint * 1000000 FROM `+tbl.Quoted+
+			` WHERE source = $1 AND event_id = $2`, k.Source, k.EventID).Scan(&us))
+		return time.Duration(us) * time.Microsecond
+	}
+	left = leaseLeft()
+	assert.Greater(t, left, 59*time.Minute, "the lease now runs an hour")
+
+	require.ErrorIs(t, d.ExtendLease(ctx, args, 43, 2*time.Hour), driver.ErrFenced, "another token extends nothing")
+	assert.Equal(t, left.Round(time.Minute), leaseLeft().Round(time.Minute))
+}

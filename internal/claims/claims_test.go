@@ -460,10 +460,14 @@ func TestTheLeaseClaim(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, l.Won)
 	assert.Equal(t, driver.LeaseLive, l.Row.State)
+	require.NoError(t, s.ExtendLease(ctx, args, 42, time.Minute))
+	p.answer("ExtendLease", changed(0))
+	require.ErrorIs(t, s.ExtendLease(ctx, args, 42, time.Minute), driver.ErrFenced)
 	p.answer("CompleteLease", changed(0))
 	require.ErrorIs(t, s.CompleteLease(ctx, args, 42, 200, nil, nil), driver.ErrFenced)
 	require.NoError(t, s.EndLease(ctx, args, 42, true))
-	assert.Equal(t, []string{"layout?", "ClaimLease", "close", "ClaimLease", "Lookup", "close", "CompleteLease COMMIT", "close", "KeepClaim", "close"}, p.log)
+	assert.Equal(t, []string{"layout?", "ClaimLease", "close", "ClaimLease", "Lookup", "close", "ExtendLease", "close", "ExtendLease", "close",
+		"CompleteLease COMMIT", "close", "KeepClaim", "close"}, p.log)
 }
 
 // A lease-mode handler's transaction commits its answer fenced by its

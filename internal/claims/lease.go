@@ -109,6 +109,21 @@ func (s *Store) CompleteLease(ctx context.Context, a *driver.Args, token int64, 
 	return err
 }
 
+// ExtendLease makes the lease that token owns run for lease from now
+// (driver.Driver).
+func (s *Store) ExtendLease(ctx context.Context, a *driver.Args, token int64, lease time.Duration) error {
+	c, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = c.Close(ctx) }()
+	b := driver.Batch{Stmts: []driver.Stmt{{SQL: s.q.ExtendLease, Args: []any{a.Source, a.EventID, token, lease.Microseconds()}}}}
+	if err = c.Send(ctx, &b); err == nil && b.Stmts[0].N != 1 {
+		err = fmt.Errorf("%w (%d rows)", driver.ErrFenced, b.Stmts[0].N)
+	}
+	return err
+}
+
 // EndLease ends the lease that token owns on a key not completed: it
 // deletes the row, or, with keep, turns it into a claim committed without
 // an answer (driver.Driver).

@@ -174,6 +174,10 @@ type Driver interface {
 	// nothing, in a statement that commits on its own, only if token still
 	// owns the key; ErrFenced when it does not.
 	CompleteLease(ctx context.Context, a *Args, token int64, status int, headers, body []byte) error
+	// ExtendLease makes the lease that token owns run for lease from now,
+	// in a statement that commits on its own; ErrFenced when token no
+	// longer owns the key.
+	ExtendLease(ctx context.Context, a *Args, token int64, lease time.Duration) error
 	// EndLease ends the lease that token owns on a key not completed: it
 	// deletes the in-progress row, so that the next delivery runs at once;
 	// or, with keep, turns it into a claim committed without an answer,
@@ -251,6 +255,10 @@ type Queries struct {
 	// for a pipelined COMMIT), the two ends of a lease (EndLease); TakeOver is the
 	// single-transaction claim of a key whose lease ran out.
 	ClaimLease, CompleteLease, CompleteLeaseOrFail, ReleaseLease, KeepClaim, TakeOver string
+	// ExtendLease moves the end of the lease that a token owns to now +
+	// the lease ($4, microseconds), in a statement that commits on its
+	// own; it changes no row once another delivery took the key over.
+	ExtendLease string
 	// Table is the quoted table name, the argument of PartitionedSQL.
 	// ClaimOrRead is the database/sql claim on a partitioned table, sent
 	// after TryLock, and CompleteClaimedNow its Complete: layout.go.
@@ -386,6 +394,8 @@ SELECT 1 / (SELECT count(*)::int FROM u)`,
 		ReleaseLease: `DELETE FROM ` + q + `
 WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
 		KeepClaim: `UPDATE ` + q + ` SET lease_until = NULL
+WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
+		ExtendLease: `UPDATE ` + q + ` SET lease_until = now() + $4 * interval '1 microsecond'
 WHERE source = $1 AND event_id = $2 AND lease_token = $3 AND completed_at IS NULL`,
 		// A single-transaction claim of a key whose lease ran out: the row
 		// becomes this transaction's claim, and the old token is gone.
