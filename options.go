@@ -54,10 +54,13 @@ var neverReplayed = map[string]string{
 	"Content-Length": "written by the middleware", "Idempotent-Replayed": "written by the middleware",
 }
 
-// Options configures a Middleware. The zero value of every field but KeyFunc
-// means its documented default.
+// Options configures a Middleware. The zero value of every field means its
+// documented default; KeyFunc has none.
 type Options struct {
-	// KeyFunc extracts the key of a request. Required.
+	// KeyFunc extracts the key of a request. Required by Handler, which
+	// panics without it. A Middleware built without one serves only Do,
+	// whose caller passes each key itself (a queue consumer has no request
+	// to read a key from).
 	KeyFunc KeyFunc
 
 	// Table is the idempotency table, "" for DefaultTable. It may be
@@ -190,9 +193,6 @@ type Options struct {
 // newMiddleware validates opts and builds the engine on the driver that
 // newDriver makes for the table's queries.
 func newMiddleware(newDriver func(driver.Queries) driver.Driver, opts Options) (*Middleware, error) {
-	if opts.KeyFunc == nil {
-		return nil, errors.New("idem: Options.KeyFunc is required")
-	}
 	t, err := parseTable(opts.Table)
 	if err != nil {
 		return nil, err
