@@ -60,10 +60,12 @@ type Result struct {
 // Retryable tells the errors worth a redelivery from those that are not.
 //
 // ctx's values reach fn. When ctx is cancelled or its deadline passes, Do
-// ends as at HandlerTimeout: rolled back, unless the COMMIT was already
-// sent, and the error wraps ErrHandlerTimeout (or, before the claim,
-// ErrUnavailable) and ctx's error. A panic in fn rolls everything back and
-// goes on from Do. fn must not be nil.
+// ends: while fn runs, as at HandlerTimeout (rolled back, unless the COMMIT
+// was already sent; ErrHandlerTimeout); while it waits for another
+// delivery of the key, with ErrInFlight (waiting on this instance) or
+// ErrUnavailable (waiting in PostgreSQL). Each error wraps ctx's too
+// (errors.Is(err, context.Canceled)). A panic in fn rolls everything back
+// and goes on from Do. fn must not be nil.
 func (m *Middleware) Do(ctx context.Context, key Key, payload []byte, fn func(ctx context.Context) ([]byte, error)) (Result, error) {
 	if fn == nil {
 		panic("idem: Do needs a function to run")

@@ -304,6 +304,38 @@ func TestDoInFlight(t *testing.T) {
 			assert.Equal(t, 1, f.ledgerRows())
 		})
 	}
+	for _, where := range []string{"same instance", "another instance"} {
+		t.Run("the caller gives up waiting on the "+where, func(t *testing.T) {
+			t.Parallel()
+			g := newGate()
+			f := newFixture(t, idem.Options{LockWait: time.Hour}, nil)
+			t.Cleanup(g.open)
+			waiting := f.mw
+			if where == "another instance" {
+				waiting, _ = f.serveOn(f.db, idem.Options{LockWait: time.Hour})
+			}
+			orig := doAsync(f.mw, doKey("evt_1"), "{}", f.heldLedgerFn("evt_1", g, nil))
+			<-g.entered
+			ctx, cancel := context.WithCancel(context.Background())
+			dup := make(chan error, 1)
+			go func() {
+				_, err := waiting.Do(ctx, doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+				dup <- err
+			}()
+			waitForWaitersOn(t, f, waiting, "evt_1", 1)
+			cancel()
+			err := <-dup
+			require.ErrorIs(t, err, context.Canceled, "Do returns when its ctx ends, not after LockWait")
+			assert.True(t, idem.Retryable(err))
+			if where == "same instance" {
+				assert.ErrorIs(t, err, idem.ErrInFlight)
+			}
+			g.open()
+			require.NoError(t, (<-orig).err)
+			assert.Equal(t, int64(1), f.runs.Load())
+			assert.Equal(t, 1, f.ledgerRows())
+		})
+	}
 	t.Run("live lease", func(t *testing.T) {
 		t.Parallel()
 		g := newGate()

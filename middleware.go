@@ -225,10 +225,14 @@ func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 			return
 		}
 		waitStart := time.Now()
-		done := m.flights.await(busy, deadline)
+		done := m.flights.await(ctx, busy, deadline)
 		x.obs.Wait += time.Since(waitStart)
 		if !done {
-			x.fail(OutcomeInFlight, problemFor(ErrInFlight))
+			err := ErrInFlight
+			if ctx.Err() != nil { // Do's caller gave up first
+				err = fmt.Errorf("%w: %w", ErrInFlight, context.Cause(ctx))
+			}
+			x.fail(OutcomeInFlight, problemFor(err))
 			return
 		}
 		if x.replayCached(key, digest[:], time.Now()) {
