@@ -93,13 +93,13 @@ func (s *reqState) handle() any {
 	return s.tx
 }
 
-// Tx returns the transaction that holds the claim of the current request,
-// for the handler's business writes: they commit together with the claim and
-// the stored response, or roll back with them. The middleware owns the
-// transaction: never call Commit or Rollback on it. ok is false outside an
-// idempotent request (a method the middleware does not cover, or no
-// middleware at all, or a middleware of package idempgx, whose handlers
-// get a pgx.Tx from idempgx.Tx).
+// Tx returns the transaction that holds the claim of the current request
+// (or call of Middleware.Do), for the handler's business writes: they
+// commit together with the claim and the stored response, or roll back with
+// them. The middleware owns the transaction: never call Commit or Rollback
+// on it. ok is false outside an idempotent request or Do's fn (a method the
+// middleware does not cover, or no middleware at all, or a middleware of
+// package idempgx, whose handlers get a pgx.Tx from idempgx.Tx).
 func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok {
@@ -109,7 +109,8 @@ func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	return tx, ok
 }
 
-// KeyFromContext returns the key of the current idempotent request.
+// KeyFromContext returns the key of the current idempotent request, or of
+// the current call of Middleware.Do.
 func KeyFromContext(ctx context.Context) (Key, bool) {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok {

@@ -127,7 +127,9 @@ type Options struct {
 	// is 503. A COMMIT already sent is never cancelled (a cancelled wait for
 	// a synchronous standby commits anyway, unreplicated): the answer is 503
 	// and the COMMIT goes on, its key answering 409 until it ends (see
-	// docs/durability.md). 0 means DefaultHandlerTimeout (30s).
+	// docs/durability.md). For Do, it bounds fn and the commit in the same
+	// way, and the caller's ctx can end them sooner. 0 means
+	// DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
 	// Lease > 0 turns on lease mode, for handlers that make slow calls to
@@ -182,7 +184,8 @@ type Options struct {
 	// instance sees the deletion. 0 means DefaultReplayCacheTTL (1 minute).
 	ReplayCacheTTL time.Duration
 
-	// Observer, if set, is called once per request the middleware handles,
+	// Observer, if set, is called once per request the middleware handles
+	// (and per call of Do, with an empty Observation.Method),
 	// with its outcome and timings, just before the answer is written (so a
 	// client that has its answer can rely on the observation existing; after
 	// a panic, when the handler returns). It runs on the request's
