@@ -191,22 +191,27 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	x.obs.Key = key
 	x.payload = body
 
-	// The work is not tied to the client's connection: a client that hangs
-	// up mid-handler must not roll back work that its redelivery would then
-	// redo. LockWait bounds the waits, HandlerTimeout the handler.
-	m.deliver(context.WithoutCancel(r.Context()), x, key)
+	m.deliver(r.Context(), x, key)
 }
 
 // deliver carries one delivery of key, whose payload x holds, through the
 // engine, whichever way it came in (serve, Do): the replay cache, the
 // deliveries of the key on this instance, the claim (or the lease-mode
 // claim) with its wait and takeover, then the handler and the COMMIT. Its
-// answer goes to x.
+// answer goes to x. ctx is the request's context, detached from the client
+// once the replay cache has not answered, or the context of Do's caller.
 func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 	digest := sha256.Sum256(x.payload)
 
 	if x.replayCached(key, digest[:], x.start) {
 		return
+	}
+	if x.call == nil {
+		// The work is not tied to the client's connection: a client that
+		// hangs up mid-handler must not roll back work that its redelivery
+		// would then redo. LockWait bounds the waits, HandlerTimeout the
+		// handler. (Do's caller decides with the ctx it passes.)
+		ctx = context.WithoutCancel(ctx)
 	}
 
 	// One delivery of a key at a time on this instance: the others wait in
