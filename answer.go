@@ -8,6 +8,10 @@ import (
 // replay answers a duplicate with the stored response. Headers set by
 // middleware outside this one stay; the stored ones are laid over them.
 func (x *exchange) replay(s *stored) {
+	if x.call != nil {
+		x.replayDo(s)
+		return
+	}
 	dst := x.w.Header()
 	for k, v := range s.header {
 		dst[k] = append([]string(nil), v...) // the cache keeps its own
@@ -40,10 +44,11 @@ func (x *exchange) send(status int, body []byte) {
 	_, _ = x.w.Write(body)
 }
 
-// fail answers with the middleware's own error.
+// fail answers with the middleware's own error; a call of Do returns
+// p.Err.
 func (x *exchange) fail(o Outcome, p *Problem) {
 	p.Key = x.obs.Key
-	if p.retryable() {
+	if x.call == nil && p.retryable() {
 		retry := x.m.retryAfter
 		if p.retryAfter != "" {
 			retry = p.retryAfter
@@ -58,5 +63,9 @@ func (x *exchange) fail(o Outcome, p *Problem) {
 	}
 	x.m.log(x, level, p.Title, p.Err)
 	x.observe()
+	if x.call != nil {
+		x.call.err = p.Err
+		return
+	}
 	x.m.errorHandler(x.w, x.r, p)
 }

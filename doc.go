@@ -52,6 +52,13 @@
 // are small application/problem+json documents (see WriteProblem and
 // Options.ErrorHandler).
 //
+// Deliveries that do not come over HTTP, a queue consumer's messages above
+// all, take the same claim through Middleware.Do: it runs a function at
+// most once to completion per key, its writes through Tx committed with the
+// claim and the value it returns; a redelivery gets that value back.
+// Retryable tells a consumer which of Do's errors are worth a redelivery
+// (docs/consumers.md).
+//
 // The table is created by Migrate; sweeping it, checking it and counting
 // its keys are in package idemops (and the idem command, cmd/idem).
 // README.md has the behaviour table and a

@@ -8,12 +8,19 @@ import (
 )
 
 // Errors the middleware reports, through Problem.Err, Observation.Err and
-// its logs. Each has its own answer; match them with errors.Is.
+// its logs, and that Do returns. Each has its own HTTP answer; match them
+// with errors.Is. For a caller of Do, each says whether fn ran and whether
+// its effect (its writes through Tx, and Value) may have committed. Whatever
+// the error, a redelivery of the same key and payload is safe: a key whose
+// effect committed is replayed, never run again. Retryable says whether a
+// redelivery is worth making.
 var (
 	// ErrNoKey: the request carries no idempotency key (400). KeyFuncs wrap it.
 	ErrNoKey = errors.New("idem: no idempotency key")
 	// ErrInvalidKey: the key is malformed, too long, or not valid text (400).
-	// KeyFuncs wrap it.
+	// KeyFuncs wrap it. Do returns it for a key with an empty, too long (over
+	// MaxKeyLen bytes) or invalid (not UTF-8, control characters) part: fn
+	// did not run, nothing was written, and a redelivery fails alike.
 	ErrInvalidKey = errors.New("idem: invalid idempotency key")
 	// ErrBadBody: the key is read from the request body, which is missing
 	// or is not the JSON the KeyFunc expects (400). KeyFuncs wrap it.
@@ -23,43 +30,60 @@ var (
 	// The verifying presets wrap it; a custom KeyFunc that checks a
 	// signature can too.
 	ErrSignature = errors.New("idem: webhook signature does not verify")
-	// ErrBodyTooLarge: the request body is over Options.MaxBodyBytes (413).
+	// ErrBodyTooLarge: the request body, or Do's payload, is over
+	// Options.MaxBodyBytes (413). fn did not run; nothing was written.
 	ErrBodyTooLarge = errors.New("idem: request body too large")
 	// ErrBodyUnreadable: reading the request body failed (400).
 	ErrBodyUnreadable = errors.New("idem: request body could not be read")
 	// ErrInFlight: an earlier delivery of the key is still running and did not
-	// finish within Options.LockWait (409 with Retry-After).
+	// finish within Options.LockWait, or holds a live lease (409 with
+	// Retry-After). fn did not run. A later retry gets the original's
+	// answer, or runs fn if the original failed. It also names a key whose
+	// row was committed without an answer (a handler that ended the
+	// transaction itself): that key needs an operator (docs/operations.md).
 	ErrInFlight = errors.New("idem: an earlier request with this key is still in progress")
 	// ErrConflict: the claim kept failing with serialization failures or
-	// deadlocks and was given up after a bounded number of tries (409).
+	// deadlocks and was given up after a bounded number of tries (409). fn
+	// did not run; nothing was committed.
 	ErrConflict = errors.New("idem: the claim kept failing with serialization failures or deadlocks")
 	// ErrLeaseExpired: lease mode; the handler's lease ran out and another
 	// delivery took the key over, so this run's writes and answer were
 	// rolled back (409 with Retry-After; the retry gets the answer stored
-	// by the delivery that took over, or 409 while it still runs).
+	// by the delivery that took over, or 409 while it still runs). For Do:
+	// fn ran, but its writes through Tx and its Value rolled back; what fn
+	// did outside the transaction (a call to another service) did happen.
 	ErrLeaseExpired = errors.New("idem: the lease ran out and another delivery took the key over")
-	// ErrPayloadMismatch: the key was completed for a different request body
-	// (422).
+	// ErrPayloadMismatch: the key was completed for a different request body,
+	// or Do's payload (422). fn did not run, and a redelivery fails alike:
+	// the key was reused for another event.
 	ErrPayloadMismatch = errors.New("idem: key reused with a different request body")
 	// ErrUnavailable: the database could not begin, claim, store or commit
 	// (503 with Retry-After). Nothing was committed, except when idempgx
 	// reports a COMMIT that PostgreSQL answered with a WARNING (see
-	// idempgx.DetectUnreplicatedCommits).
+	// idempgx.DetectUnreplicatedCommits), or when the connection broke while
+	// the COMMIT was under way: its outcome is unknown, and fn's effect may
+	// have committed. A redelivery then finds out: it is replayed if so.
 	ErrUnavailable = errors.New("idem: idempotency store unavailable")
-	// ErrHandlerTimeout: the handler outlived Options.HandlerTimeout and its
-	// transaction was rolled back (503 with Retry-After), or its COMMIT had
-	// not answered by then (waiting for a synchronous standby): that COMMIT
-	// goes on and may still commit.
+	// ErrHandlerTimeout: the handler (or Do's fn) outlived
+	// Options.HandlerTimeout, or Do's ctx ended, and its transaction was
+	// rolled back (503 with Retry-After), or its COMMIT had not answered by
+	// then (waiting for a synchronous standby): that COMMIT goes on and may
+	// still commit, so fn's effect may have committed.
 	ErrHandlerTimeout = errors.New("idem: handler timed out")
-	// ErrTxMisuse: the handler committed or rolled back the transaction that
-	// belongs to the middleware (500).
+	// ErrTxMisuse: the handler (or Do's fn) committed or rolled back the
+	// transaction that belongs to the middleware (500). On database/sql a
+	// Commit of fn's did commit its writes and the key, without an answer:
+	// the key's next deliveries get ErrInFlight until an operator settles it.
+	// A programming error: a redelivery does not help.
 	ErrTxMisuse = errors.New("idem: the handler ended the middleware's transaction")
 	// ErrTxAborted: a statement of the handler failed, which aborts the
-	// transaction, yet the handler answered a final status: the answer
-	// cannot be stored, so everything is rolled back (500). Answer an error
-	// status when a write fails.
+	// transaction, yet the handler answered a final status (or Do's fn
+	// returned no error): the answer cannot be stored, so everything is
+	// rolled back (500). Answer an error status (return an error) when a
+	// write fails. A redelivery may pass if the statement failed for a
+	// passing reason (a deadlock, a serialization failure).
 	ErrTxAborted = errors.New("idem: the handler answered a final status after one of its statements failed")
-	// ErrResponseTooLarge: the handler's response is over
+	// ErrResponseTooLarge: the handler's response, or Do's Value, is over
 	// Options.MaxResponseBytes and cannot be stored; rolled back (500).
 	ErrResponseTooLarge = errors.New("idem: response too large to store")
 	// ErrWriteAfterReturn: something wrote to the handler's ResponseWriter

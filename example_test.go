@@ -112,6 +112,62 @@ func ExampleTx() {
 	// orders: 1
 }
 
+// A queue consumer: the broker delivers each message at least once, and Do
+// runs the handler once per message id, its write committed with the claim.
+// The error tells the consumer what to do with the message.
+func ExampleMiddleware_Do() {
+	ctx := context.Background()
+	db, err := sql.Open("pgx", os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(10)
+	if err := idem.Migrate(ctx, db, "inbox"); err != nil {
+		panic(err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE shipments (order_id text NOT NULL)`); err != nil {
+		panic(err)
+	}
+	// No KeyFunc: Do's caller passes each key.
+	mw, err := idem.New(db, idem.Options{Table: "inbox"})
+	if err != nil {
+		panic(err)
+	}
+
+	type message struct{ ID, Body string }
+	consume := func(ctx context.Context, msg message) {
+		key := idem.Key{Source: "orders-queue", EventID: msg.ID}
+		res, err := mw.Do(ctx, key, []byte(msg.Body), func(ctx context.Context) ([]byte, error) {
+			tx, _ := idem.Tx(ctx)
+			if _, err := tx.ExecContext(ctx, `INSERT INTO shipments (order_id) VALUES ($1)`, msg.Body); err != nil {
+				return nil, err // rolled back: a redelivery runs again
+			}
+			return []byte("shipped " + msg.Body), nil
+		})
+		switch {
+		case err == nil:
+			fmt.Printf("ack %s: %s (replayed: %v)\n", msg.ID, res.Value, res.Replayed)
+		case idem.Retryable(err):
+			fmt.Printf("retry %s later\n", msg.ID)
+		default:
+			fmt.Printf("dead-letter %s: %v\n", msg.ID, err)
+		}
+	}
+
+	consume(ctx, message{"msg-1", "order-7"})
+	consume(ctx, message{"msg-1", "order-7"}) // redelivered
+	consume(ctx, message{"msg-1", "order-8"}) // the id reused for another message
+	var n int
+	_ = db.QueryRowContext(ctx, `SELECT count(*) FROM shipments`).Scan(&n)
+	fmt.Println("shipments:", n)
+	// Output:
+	// ack msg-1: shipped order-7 (replayed: false)
+	// ack msg-1: shipped order-7 (replayed: true)
+	// dead-letter msg-1: idem: key reused with a different request body
+	// shipments: 1
+}
+
 // A custom KeyFunc: the source comes from the route, the id from a header.
 func ExampleKeyFunc() {
 	byRoute := func(r *http.Request, body []byte) (idem.Key, error) {

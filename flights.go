@@ -119,9 +119,10 @@ func waitLimit(maxOpen int) int {
 // uncappedWaitLimit is waitLimit for a pool without a cap.
 const uncappedWaitLimit = 16
 
-// await waits for c (from enter) to close until deadline; it reports
-// whether c closed.
-func (f *flights) await(c <-chan struct{}, deadline time.Time) bool {
+// await waits for c (from enter) to close until deadline or ctx ends (a
+// call of Do whose caller gives up; an HTTP request's never does); it
+// reports whether c closed.
+func (f *flights) await(ctx context.Context, c <-chan struct{}, deadline time.Time) bool {
 	f.waiters.Add(1)
 	defer f.waiters.Add(-1)
 	timer := time.NewTimer(time.Until(deadline))
@@ -130,6 +131,8 @@ func (f *flights) await(c <-chan struct{}, deadline time.Time) bool {
 	case <-c:
 		return true
 	case <-timer.C:
+		return false
+	case <-ctx.Done():
 		return false
 	}
 }

@@ -116,7 +116,6 @@ func TestNewValidatesOptions(t *testing.T) {
 	db := idem.OpenTestDB(t)
 	kf := idem.Header("acme", "X-Id")
 	for name, opts := range map[string]idem.Options{
-		"no KeyFunc":             {},
 		"three-part table":       {KeyFunc: kf, Table: "a.b.c"},
 		"empty table part":       {KeyFunc: kf, Table: "a."},
 		"negative body limit":    {KeyFunc: kf, MaxBodyBytes: -1},

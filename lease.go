@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/http"
 	"strconv"
 	"sync"
 	"time"
@@ -40,7 +39,7 @@ const releaseTimeout = 5 * time.Second
 
 // serveLease claims the key in lease mode and runs the handler without a
 // transaction held, beginning one only when the handler asks for it.
-func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key, body []byte, next http.Handler) {
+func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
 	l, p, o := m.claimLease(ctx, &x.args)
@@ -56,7 +55,7 @@ func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key, body 
 	x.obs.TookOver = l.TookOver
 	run := &leaseRun{m: m, a: &x.args, token: l.Token}
 	run.lazy.begin = func() (driver.LeaseTx, error) { return m.drv.BeginLease(ctx) }
-	m.run(ctx, x, run, reqState{key: key, lazy: &run.lazy}, body, next)
+	x.handle(ctx, run, reqState{key: key, lazy: &run.lazy})
 }
 
 // leaseClaim is the outcome of a lease-mode claim: won (Token), or a

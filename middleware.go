@@ -16,7 +16,8 @@ import (
 )
 
 // Middleware makes handlers idempotent; build it with New and wrap handlers
-// with its Handler method. It is safe for concurrent use.
+// with its Handler method, or run a function once per key with its Do
+// method. It is safe for concurrent use.
 type Middleware struct {
 	drv            driver.Driver
 	table          table
@@ -90,13 +91,13 @@ func (s *reqState) handle() any {
 	return s.tx
 }
 
-// Tx returns the transaction that holds the claim of the current request,
-// for the handler's business writes: they commit together with the claim and
-// the stored response, or roll back with them. The middleware owns the
-// transaction: never call Commit or Rollback on it. ok is false outside an
-// idempotent request (a method the middleware does not cover, or no
-// middleware at all, or a middleware of package idempgx, whose handlers
-// get a pgx.Tx from idempgx.Tx).
+// Tx returns the transaction that holds the claim of the current request
+// (or call of Middleware.Do), for the handler's business writes: they
+// commit together with the claim and the stored response, or roll back with
+// them. The middleware owns the transaction: never call Commit or Rollback
+// on it. ok is false outside an idempotent request or Do's fn (a method the
+// middleware does not cover, or no middleware at all, or a middleware of
+// package idempgx, whose handlers get a pgx.Tx from idempgx.Tx).
 func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok {
@@ -106,7 +107,8 @@ func Tx(ctx context.Context) (tx *sql.Tx, ok bool) {
 	return tx, ok
 }
 
-// KeyFromContext returns the key of the current idempotent request.
+// KeyFromContext returns the key of the current idempotent request, or of
+// the current call of Middleware.Do.
 func KeyFromContext(ctx context.Context) (Key, bool) {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok {
@@ -118,8 +120,12 @@ func KeyFromContext(ctx context.Context) (Key, bool) {
 // Handler wraps next: requests with a covered method are claimed, run inside
 // the claim's transaction and answered after commit; duplicates are answered
 // from the store. Its signature fits chi's and gorilla/mux's Use and echo's
-// WrapMiddleware.
+// WrapMiddleware. It panics, when it wraps next, if the Middleware was built
+// without Options.KeyFunc (such a Middleware serves only Do).
 func (m *Middleware) Handler(next http.Handler) http.Handler {
+	if m.keyFunc == nil {
+		panic("idem: Handler needs Options.KeyFunc to read each request's key; this Middleware was built without one and serves only Do")
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !m.covers(r.Method) {
 			next.ServeHTTP(w, r)
@@ -144,21 +150,25 @@ func (m *Middleware) covers(method string) bool {
 	return false
 }
 
-// exchange carries one request through the middleware, for the answer, the
-// log record and the observation.
+// exchange carries one delivery through the middleware, for the answer,
+// the log record and the observation: an HTTP request (w, r and next set)
+// or a call of Do (call set).
 type exchange struct {
-	m     *Middleware
-	w     http.ResponseWriter
-	r     *http.Request
-	start time.Time
-	obs   Observation
-	state reqState    // what the handler's context carries
-	body  bodyReader  // the handler's r.Body
-	args  driver.Args // the key's claim
+	m       *Middleware
+	w       http.ResponseWriter // nil for a call of Do
+	r       *http.Request       // nil for a call of Do
+	next    http.Handler        // the wrapped handler of an HTTP request
+	call    *doCall             // a call of Do; nil for an HTTP request
+	payload []byte              // the request body, or Do's payload
+	start   time.Time
+	obs     Observation
+	state   reqState    // what the handler's context carries
+	body    bodyReader  // the handler's r.Body
+	args    driver.Args // the key's claim
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
-	x := &exchange{m: m, w: w, r: r, start: time.Now()}
+	x := &exchange{m: m, w: w, r: r, next: next, start: time.Now()}
 	x.obs.Method = r.Method
 
 	buf := getBuffer()
@@ -177,16 +187,30 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	x.obs.Key = key
-	digest := sha256.Sum256(body)
+	x.payload = body
+
+	m.deliver(r.Context(), x, key)
+}
+
+// deliver carries one delivery of key, whose payload x holds, through the
+// engine, whichever way it came in (serve, Do): the replay cache, the
+// deliveries of the key on this instance, the claim (or the lease-mode
+// claim) with its wait and takeover, then the handler and the COMMIT. Its
+// answer goes to x. ctx is the request's context, detached from the client
+// once the replay cache has not answered, or the context of Do's caller.
+func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
+	digest := sha256.Sum256(x.payload)
 
 	if x.replayCached(key, digest[:], x.start) {
 		return
 	}
-
-	// The work is not tied to the client's connection: a client that hangs
-	// up mid-handler must not roll back work that its redelivery would then
-	// redo. LockWait bounds the waits, HandlerTimeout the handler.
-	ctx := context.WithoutCancel(r.Context())
+	if x.call == nil {
+		// The work is not tied to the client's connection: a client that
+		// hangs up mid-handler must not roll back work that its redelivery
+		// would then redo. LockWait bounds the waits, HandlerTimeout the
+		// handler. (Do's caller decides with the ctx it passes.)
+		ctx = context.WithoutCancel(ctx)
+	}
 
 	// One delivery of a key at a time on this instance: the others wait in
 	// memory, holding no connection, and then usually find the answer in the
@@ -205,10 +229,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		waitStart := time.Now()
-		done := m.flights.await(busy, deadline)
+		done := m.flights.await(ctx, busy, deadline)
 		x.obs.Wait += time.Since(waitStart)
 		if !done {
-			x.fail(OutcomeInFlight, problemFor(ErrInFlight))
+			err := ErrInFlight
+			if ctx.Err() != nil { // Do's caller gave up first
+				err = fmt.Errorf("%w: %w", ErrInFlight, context.Cause(ctx))
+			}
+			x.fail(OutcomeInFlight, problemFor(err))
 			return
 		}
 		if x.replayCached(key, digest[:], time.Now()) {
@@ -219,7 +247,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 
 	x.args = driver.Args{Source: key.Source, EventID: key.EventID, Digest: digest[:], Lock: m.table.lockID(key)}
 	if m.lease > 0 {
-		m.serveLease(ctx, x, key, body, next)
+		m.serveLease(ctx, x, key)
 		return
 	}
 
@@ -241,7 +269,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	ctx, cancelRun := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancelRun()
-	m.run(ctx, x, c.tx, reqState{tx: c.tx.Handle(), key: key}, body, next)
+	x.handle(ctx, c.tx, reqState{tx: c.tx.Handle(), key: key})
+}
+
+// handle runs the delivery's handler on the claimed key: the wrapped
+// http.Handler (run) or Do's function (runDo).
+func (x *exchange) handle(ctx context.Context, tx finisher, state reqState) {
+	if x.call != nil {
+		x.m.runDo(ctx, x, tx, state)
+		return
+	}
+	x.m.run(ctx, x, tx, state, x.payload, x.next)
 }
 
 // replayCached answers from the replay cache, if it holds the key: the

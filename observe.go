@@ -51,12 +51,13 @@ func (o Outcome) String() string {
 	return "Outcome(" + strconv.Itoa(int(o)) + ")"
 }
 
-// Observation describes one request the middleware handled.
+// Observation describes one request the middleware handled, or one call
+// of Middleware.Do.
 type Observation struct {
 	Outcome  Outcome
 	Key      Key           // zero when the request was rejected before its key was known
-	Method   string        // the request method
-	Status   int           // the status sent to the client
+	Method   string        // the request method; "" for a call of Middleware.Do
+	Status   int           // the status sent to the client; for a call of Do, the status an HTTP delivery would have got (Do's answers are stored as 200), 0 when fn failed or panicked
 	Duration time.Duration // from the middleware's start until the answer is ready to send
 	Wait     time.Duration // time spent waiting for an in-flight original
 	Cached   bool          // replayed from this instance's memory, without the database
@@ -81,6 +82,14 @@ func (m *Middleware) logr() *slog.Logger {
 }
 
 func (m *Middleware) log(x *exchange, level slog.Level, msg string, err error) {
+	if x.call != nil { // a call of Do: no method, no path
+		m.logr().LogAttrs(x.call.ctx, level, "idem: "+msg,
+			slog.String("source", x.obs.Key.Source),
+			slog.String("event_id", x.obs.Key.EventID),
+			slog.String("call", "Do"),
+			slog.Any("error", err))
+		return
+	}
 	m.logr().LogAttrs(x.r.Context(), level, "idem: "+msg,
 		slog.String("source", x.obs.Key.Source),
 		slog.String("event_id", x.obs.Key.EventID),

@@ -55,10 +55,13 @@ var neverReplayed = map[string]string{
 	"Content-Length": "written by the middleware", "Idempotent-Replayed": "written by the middleware",
 }
 
-// Options configures a Middleware. The zero value of every field but KeyFunc
-// means its documented default.
+// Options configures a Middleware. The zero value of every field means its
+// documented default; KeyFunc has none.
 type Options struct {
-	// KeyFunc extracts the key of a request. Required.
+	// KeyFunc extracts the key of a request. Required by Handler, which
+	// panics without it. A Middleware built without one serves only Do,
+	// whose caller passes each key itself (a queue consumer has no request
+	// to read a key from).
 	KeyFunc KeyFunc
 
 	// Table is the idempotency table, "" for DefaultTable. It may be
@@ -125,7 +128,9 @@ type Options struct {
 	// is 503. A COMMIT already sent is never cancelled (a cancelled wait for
 	// a synchronous standby commits anyway, unreplicated): the answer is 503
 	// and the COMMIT goes on, its key answering 409 until it ends (see
-	// docs/durability.md). 0 means DefaultHandlerTimeout (30s).
+	// docs/durability.md). For Do, it bounds fn and the commit in the same
+	// way, and the caller's ctx can end them sooner. 0 means
+	// DefaultHandlerTimeout (30s).
 	HandlerTimeout time.Duration
 
 	// Lease > 0 turns on lease mode, for handlers that make slow calls to
@@ -180,7 +185,8 @@ type Options struct {
 	// instance sees the deletion. 0 means DefaultReplayCacheTTL (1 minute).
 	ReplayCacheTTL time.Duration
 
-	// Observer, if set, is called once per request the middleware handles,
+	// Observer, if set, is called once per request the middleware handles
+	// (and per call of Do, with an empty Observation.Method),
 	// with its outcome and timings, just before the answer is written (so a
 	// client that has its answer can rely on the observation existing; after
 	// a panic, when the handler returns). It runs on the request's
@@ -191,9 +197,6 @@ type Options struct {
 // newMiddleware validates opts and builds the engine, which claims keys
 // through pool.
 func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
-	if opts.KeyFunc == nil {
-		return nil, errors.New("idem: Options.KeyFunc is required")
-	}
 	t, err := parseTable(opts.Table)
 	if err != nil {
 		return nil, err

@@ -120,7 +120,7 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, statu
 		_ = tx.Rollback(ctx)
 		return err
 	}
-	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.r.Method,
+	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.obs.Method,
 		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
 	startCommit(c)
 	var err error
@@ -222,6 +222,12 @@ func (m *Middleware) logLateCommit(key Key, method string, err error) {
 	level, msg := slog.LevelWarn, "idem: a COMMIT answered 503 for its deadline completed afterwards; redeliveries get its stored answer"
 	if err != nil {
 		level, msg = slog.LevelError, "idem: a COMMIT answered 503 for its deadline ended afterwards with an error"
+	}
+	if method == "" { // a call of Do
+		level, msg = slog.LevelWarn, "idem: a COMMIT whose Do call returned ErrHandlerTimeout completed afterwards; redeliveries get its stored answer"
+		if err != nil {
+			level, msg = slog.LevelError, "idem: a COMMIT whose Do call returned ErrHandlerTimeout ended afterwards with an error"
+		}
 	}
 	m.logr().LogAttrs(context.Background(), level, msg,
 		slog.String("source", key.Source), slog.String("event_id", key.EventID),
