@@ -58,13 +58,14 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	return mw.(*idem.Middleware), nil
 }
 
-// Tx returns the transaction that holds the claim of the current request,
-// for the handler's writes: they commit together with the claim and the
-// stored answer, or roll back with them. The middleware owns it: Commit and
-// Rollback return an error wrapping idem.ErrTxMisuse and send nothing, and
-// the request is then answered 500 and rolled back. Begin makes a savepoint,
-// as pgx's own nested transactions do. ok is false outside a request of an
-// idempgx middleware.
+// Tx returns the transaction that holds the claim of the current request
+// (or call of Middleware.Do), for the handler's writes: they commit
+// together with the claim and the stored answer, or roll back with them.
+// The middleware owns it: Commit and Rollback return an error wrapping
+// idem.ErrTxMisuse and send nothing, and the request is then answered 500
+// and rolled back. Begin makes a savepoint, as pgx's own nested
+// transactions do. ok is false outside a request or Do of an idempgx
+// middleware.
 func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
 	h, ok := driver.HandleFromContext(ctx)
 	if !ok {
