@@ -53,6 +53,9 @@ var (
 	// fn ran, but its writes through Tx and its Value rolled back; what fn
 	// did outside the transaction (a call to another service) did happen.
 	ErrLeaseExpired = errors.New("idem: the lease ran out and another delivery took the key over")
+	// ErrNotLeased: ExtendLease was called outside a lease-mode handler
+	// (no Options.Lease, or not from the handler's or fn's context).
+	ErrNotLeased = errors.New("idem: ExtendLease needs the context of a lease-mode handler")
 	// ErrPayloadMismatch: the key was completed for a different request body,
 	// or Do's payload (422). fn did not run, and a redelivery fails alike:
 	// the key was reused for another event.

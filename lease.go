@@ -55,7 +55,7 @@ func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key) {
 	x.obs.TookOver = l.TookOver
 	run := &leaseRun{m: m, a: &x.args, token: l.Token}
 	run.lazy.begin = func() (driver.LeaseTx, error) { return m.drv.BeginLease(ctx) }
-	x.handle(ctx, run, reqState{key: key, lazy: &run.lazy})
+	x.handle(ctx, run, reqState{key: key, lazy: &run.lazy, lease: run})
 }
 
 // leaseClaim is the outcome of a lease-mode claim: won (Token), or a
@@ -117,6 +117,19 @@ type leaseRun struct {
 	// keep: the handler ended its transaction itself, so its writes may
 	// have committed; the key is kept, not released.
 	keep bool
+}
+
+// extend makes the lease run for Options.Lease again from now, if the token
+// still owns the key (ExtendLease).
+func (r *leaseRun) extend(ctx context.Context) error {
+	err := r.m.drv.ExtendLease(ctx, r.a, r.token, r.m.lease)
+	switch {
+	case errors.Is(err, driver.ErrFenced):
+		return fmt.Errorf("%w: %w", ErrLeaseExpired, err)
+	case err != nil:
+		return fmt.Errorf("%w: extending the lease: %w", ErrUnavailable, err)
+	}
+	return nil
 }
 
 // Commit stores the answer, fenced by the token, in the handler's

@@ -73,17 +73,59 @@ func TestLeaseModeCompletesAndReplays(t *testing.T) {
 	assert.Equal(t, int64(1), g.runs.Load())
 }
 
-// New refuses a HandlerTimeout that is not shorter than the Lease, and
-// picks one that is when none is given.
+// New picks a HandlerTimeout shorter than the Lease when none is given, and
+// takes a longer one, for handlers that keep their lease with ExtendLease.
 func TestLeaseOptions(t *testing.T) {
 	db := idem.OpenTestDB(t)
 	kf := idem.Header("test", "X-Event-Id")
-	_, err := idem.New(db, idem.Options{KeyFunc: kf, Lease: time.Second, HandlerTimeout: time.Second})
-	assert.ErrorContains(t, err, "HandlerTimeout")
+	_, err := idem.New(db, idem.Options{KeyFunc: kf, Lease: time.Second, HandlerTimeout: time.Minute})
+	assert.NoError(t, err)
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: -time.Second})
 	assert.Error(t, err)
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: 5 * time.Second})
 	assert.NoError(t, err, "the default HandlerTimeout is shorter than the lease")
+}
+
+// A handler that keeps its lease with ExtendLease keeps its key past the
+// lease's end: a redelivery then is answered 409, not run. Once the lease
+// has run out and another delivery took the key over, the heartbeat says
+// so, and the original's answer is fenced. Outside a lease-mode handler
+// ExtendLease refuses.
+func TestExtendLeaseKeepsALongHandlersKey(t *testing.T) {
+	t.Parallel()
+	entered, next, beats := make(chan struct{}), make(chan struct{}), make(chan error)
+	var once sync.Once
+	opts := idem.Options{Lease: 20 * time.Second, HandlerTimeout: time.Minute}
+	f := newFixture(t, opts, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		first := false
+		once.Do(func() { close(entered); first = true })
+		for i := 0; first && i < 2; i++ { // the original beats twice; a takeover runs at once
+			<-next
+			beats <- idem.ExtendLease(r.Context())
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	_, other := f.serveOn(f.db, opts)
+	orig := f.postAsync("evt_hb", "{}")
+	<-entered
+
+	f.expireLease("evt_hb") // the lease's end, reached
+	next <- struct{}{}
+	require.NoError(t, <-beats, "the heartbeat of the token that owns the key")
+	dup, err := newSender(t).post(other.URL, "evt_hb", "{}")
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusConflict, dup.status, "the lease runs again: %s", dup.body)
+
+	f.expireLease("evt_hb") // no heartbeat in time: another delivery takes over
+	takeover, err := newSender(t).post(other.URL, "evt_hb", "{}")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, takeover.status, "%s", takeover.body)
+	next <- struct{}{}
+	assert.ErrorIs(t, <-beats, idem.ErrLeaseExpired, "the original learns it lost the key")
+	late := <-orig
+	assert.Equal(t, http.StatusConflict, late.status, "%s", late.body)
+
+	assert.ErrorIs(t, idem.ExtendLease(context.Background()), idem.ErrNotLeased)
 }
 
 // Twelve handlers whose slow external call takes 1.2 s run at once on a

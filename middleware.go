@@ -78,8 +78,10 @@ type ctxKey struct{}
 type reqState struct {
 	tx  any // the adapter's transaction: *sql.Tx here, pgx.Tx in idempgx
 	key Key
-	// lease mode: the transaction is begun when the handler first asks.
-	lazy *lazyTx
+	// lease mode: the transaction is begun when the handler first asks,
+	// and the lease is extended when it asks (ExtendLease).
+	lazy  *lazyTx
+	lease *leaseRun
 }
 
 // handle returns the request's transaction, beginning it in lease mode;
@@ -115,6 +117,24 @@ func KeyFromContext(ctx context.Context) (Key, bool) {
 		return Key{}, false
 	}
 	return s.key, true
+}
+
+// ExtendLease makes the lease of the key that ctx's handler (or Do's fn)
+// runs for last Options.Lease again from now, fenced by the claim's token
+// as the answer is: a heartbeat, so that a long job's lease can be sized
+// for how soon a crashed original should be taken over rather than for the
+// job's longest run. A handler that may run longer than Lease (with
+// HandlerTimeout set above it) calls it at intervals well inside Lease. It
+// returns an error wrapping ErrLeaseExpired when the lease had run out and
+// another delivery took the key over (this run's answer will not be
+// stored: stop), ErrUnavailable when the database could not be reached, and
+// ErrNotLeased outside a lease-mode handler.
+func ExtendLease(ctx context.Context) error {
+	s, ok := ctx.Value(ctxKey{}).(*reqState)
+	if !ok || s.lease == nil {
+		return ErrNotLeased
+	}
+	return s.lease.extend(ctx)
 }
 
 // Handler wraps next: requests with a covered method are claimed, run inside

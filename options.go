@@ -143,9 +143,11 @@ type Options struct {
 	// Retry-After the lease's time left (see RetryAfter); once it has run
 	// out (the original crashed), the next delivery takes the key over. A
 	// status that is not final, a panic or HandlerTimeout releases the key
-	// when the handler returns. HandlerTimeout must be shorter than Lease,
-	// and handlers must honour their context's deadline; when it is not
-	// set, it is four fifths of Lease (or 30s, if that is less). 0 (the
+	// when the handler returns. Handlers must honour their context's
+	// deadline. HandlerTimeout, when not set, is four fifths of Lease (or
+	// 30s, if that is less); set above Lease, it is for handlers that keep
+	// their lease with ExtendLease: one that does not may be taken over
+	// while it runs (its answer is then not stored, ErrLeaseExpired). 0 (the
 	// default) is single-transaction mode: claim, writes and answer in one
 	// transaction.
 	Lease time.Duration
@@ -251,8 +253,6 @@ func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
 		return nil, errors.New("idem: Options.Lease must not be negative")
 	case opts.Lease > 0 && opts.Lease < time.Millisecond:
 		return nil, errors.New("idem: Options.Lease must be at least a millisecond")
-	case opts.Lease > 0 && m.handlerTimeout >= opts.Lease:
-		return nil, fmt.Errorf("idem: Options.HandlerTimeout (%v) must be shorter than Options.Lease (%v): a live original must not outlive its lease", m.handlerTimeout, opts.Lease)
 	}
 	m.lease = opts.Lease
 	retry := opts.RetryAfter
