@@ -189,7 +189,7 @@ func TestListKeysByState(t *testing.T) {
 		insertRow(t, db, table, "unanswered", "NULL")
 		insertRow(t, db, table, "expired", "now() - interval '1 minute'")
 		insertRow(t, db, table, "leased", "now() + interval '1 minute'")
-		_, err := db.Exec(`INSERT INTO "`+table+`" (source, event_id, payload_digest, claimed_at, completed_at, response_status)
+		_, err := db.Exec(`INSERT INTO "` + table + `" (source, event_id, payload_digest, claimed_at, completed_at, response_status)
 VALUES ('other', 'x', '\x00', now() - interval '2 minutes', now(), 204)`)
 		require.NoError(t, err)
 
