@@ -376,3 +376,49 @@ ORDER BY claimed_at DESC, source, event_id LIMIT $2`
 	}
 	return out, nil
 }
+
+// maxFindSources bounds the sources FindKeys looks in.
+const maxFindSources = 10000
+
+// FindKeys finds an event id under every source: often all an on-call
+// engineer has is the id from a provider's dashboard. It walks the
+// table's distinct sources through the primary key (a loose index scan)
+// and looks the id up under each, so its work grows with the number of
+// sources (at most 10,000), not of keys. Keys in flight are not found:
+// they have no committed row, and their lock names no source.
+func FindKeys(ctx context.Context, db *sql.DB, table, eventID string) ([]KeyInfo, error) {
+	t, err := catalog.ParseTable(table)
+	if err != nil {
+		return nil, err
+	}
+	var out []KeyInfo
+	err = readOnly(ctx, db, func(tx *sql.Tx) error {
+		if err := tableExists(ctx, tx, t); err != nil {
+			return err
+		}
+		rows, err := tx.QueryContext(ctx, `WITH RECURSIVE s(source, n) AS (
+    (SELECT source, 1 FROM `+t.Quoted+` ORDER BY source LIMIT 1)
+    UNION ALL
+    SELECT (SELECT source FROM `+t.Quoted+` WHERE source > s.source ORDER BY source LIMIT 1), s.n + 1
+    FROM s WHERE s.source IS NOT NULL AND s.n < `+strconv.Itoa(maxFindSources)+`)
+SELECT `+keyColumns+` FROM `+t.Quoted+`
+WHERE (source, event_id) IN (SELECT s.source, $2 FROM s WHERE s.source IS NOT NULL)
+ORDER BY claimed_at DESC, source`, t.Quoted, eventID)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var k KeyInfo
+			if err := scanKey(rows.Scan, &k, nil); err != nil {
+				return err
+			}
+			out = append(out, k)
+		}
+		return rows.Err()
+	})
+	if err != nil {
+		return nil, fmt.Errorf("idem: find event id %q in %s: %w", eventID, t.Name, err)
+	}
+	return out, nil
+}

@@ -366,3 +366,24 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 
 // lockID is the key's advisory lock in table, as the middleware takes it.
 func lockID(table string, k idem.Key) int64 { return catalog.LockID(table, k.Source, k.EventID) }
+
+func TestFindKeysAcrossSources(t *testing.T) {
+	t.Parallel()
+	layouts(t, func(t *testing.T, db *sql.DB, table string) {
+		insertKeys(t, db, table, "evt_", 3, time.Minute)
+		_, err := db.Exec(`INSERT INTO "`+table+`" (source, event_id, payload_digest, claimed_at)
+SELECT 's' || g, CASE WHEN g % 2 = 0 THEN 'evt_2' ELSE 'other' END, '\x00', now() - g * interval '1 second'
+FROM generate_series(1, 9) AS g`)
+		require.NoError(t, err)
+		keys, err := FindKeys(context.Background(), db, table, "evt_2")
+		require.NoError(t, err)
+		var got []string
+		for _, k := range keys {
+			got = append(got, k.Key.Source)
+		}
+		assert.Equal(t, []string{"s2", "s4", "s6", "s8", "test"}, got, "newest first")
+		keys, err = FindKeys(context.Background(), db, table, "nothing")
+		require.NoError(t, err)
+		assert.Empty(t, keys)
+	})
+}
