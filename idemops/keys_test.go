@@ -371,7 +371,7 @@ func TestFindKeysAcrossSources(t *testing.T) {
 	t.Parallel()
 	layouts(t, func(t *testing.T, db *sql.DB, table string) {
 		insertKeys(t, db, table, "evt_", 3, time.Minute)
-		_, err := db.Exec(`INSERT INTO "`+table+`" (source, event_id, payload_digest, claimed_at)
+		_, err := db.Exec(`INSERT INTO "` + table + `" (source, event_id, payload_digest, claimed_at)
 SELECT 's' || g, CASE WHEN g % 2 = 0 THEN 'evt_2' ELSE 'other' END, '\x00', now() - g * interval '1 second'
 FROM generate_series(1, 9) AS g`)
 		require.NoError(t, err)
