@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pgidem/idem/idemui"
 	"github.com/stretchr/testify/assert"
@@ -251,4 +252,26 @@ func TestNewRefusesBadOptions(t *testing.T) {
 	assert.Error(t, err)
 	_, err = idemui.New(nil, idemui.Options{})
 	assert.Error(t, err)
+}
+
+// The problem lists come from the snapshot; a key released from the UI
+// leaves them at once, and a later page (before=...) reads the table.
+func TestProblemListsFromTheSnapshot(t *testing.T) {
+	t.Parallel()
+	table := newTable(t, false)
+	_, srv := ui(t, table, idemui.Options{AllowRelease: true})
+	_, err := db.Exec(`INSERT INTO "` + table + `" (source, event_id, payload_digest, claimed_at) VALUES ('stripe', 'evt_later', '\x00', now())`)
+	require.NoError(t, err)
+	_, body := get(t, srv, "keys?state=unanswered")
+	assert.Contains(t, body, "evt_unanswered")
+	assert.NotContains(t, body, "evt_later", "committed after the snapshot")
+	assert.Contains(t, body, "as of the snapshot of")
+	_, body = get(t, srv, "keys?state=unanswered&before="+url.QueryEscape(time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)))
+	assert.Contains(t, body, "evt_later", "read from the table")
+
+	form := url.Values{"source": {"stripe"}, "id": {"evt_unanswered"}, "token": {token(t, srv, "stripe", "evt_unanswered")}}
+	resp, _ := post(t, srv, form, nil)
+	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
+	_, body = get(t, srv, "keys?state=unanswered")
+	assert.NotContains(t, body, "evt_unanswered")
 }

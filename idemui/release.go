@@ -102,7 +102,26 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
+	h.dropFromSnapshot(k)
 	seeOther(w, "key?source="+queryEscape(k.Source)+"&id="+queryEscape(k.EventID)+"&done=released")
+}
+
+// dropFromSnapshot removes a released key from the snapshot's problem
+// lists, so that they do not show it until the next refresh.
+func (h *Handler) dropFromSnapshot(k idem.Key) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.snap == nil {
+		return
+	}
+	s := *h.snap
+	s.Open = nil
+	for _, o := range h.snap.Open {
+		if o.Key != k {
+			s.Open = append(s.Open, o)
+		}
+	}
+	h.snap = &s
 }
 
 // oneLine is err's text without the library's prefixes.

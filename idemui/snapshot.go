@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"sort"
 	"strings"
 	"time"
 
@@ -13,17 +14,23 @@ import (
 
 // snapshot is what the overview shows, taken in the background.
 type snapshot struct {
-	TakenAt  time.Time
-	Took     time.Duration
-	Report   *idemops.Report     // health: counts, in flight, partitions, durability, findings
-	Stats    *idemops.TableStats // per source, partitions with sizes
-	Hours    []hourCount         // claims per hour over the retention, oldest first
-	Latency  latency             // completion latency of the keys completed in the last 24h
-	Sources  []string            // the sources of Stats, for the search form
-	Err      string              // the last refresh's error, if it failed
-	Window   time.Duration
-	MaxHour  int64
-	LastHour time.Time
+	TakenAt time.Time
+	Took    time.Duration
+	Report  *idemops.Report     // health: counts, in flight, partitions, durability, findings
+	Stats   *idemops.TableStats // per source, partitions with sizes
+	Hours   []hourCount         // claims per hour over the retention, oldest first
+	Latency latency             // completion latency of the keys completed in the last 24h
+	Sources []string            // the sources of Stats, for the search form
+	// Open are the newest keys without an answer (unanswered, leased,
+	// lease expired), newest first, at most maxOpen: the problem lists
+	// render from them, since finding rare keys on a large table takes a
+	// scan. OpenCapped is true when there were more.
+	Open       []idemops.KeyInfo
+	OpenCapped bool
+	Err        string // the last refresh's error, if it failed
+	Window     time.Duration
+	MaxHour    int64
+	LastHour   time.Time
 }
 
 type hourCount struct {
@@ -37,8 +44,14 @@ type latency struct {
 	P50, P95, P99 time.Duration
 }
 
-// takeSnapshot reads what the overview shows: idemops.Check and
-// idemops.Stats (each one pass over the table) and one pass over the
+// maxOpen bounds the keys without an answer a snapshot keeps, per kind
+// (stuck, leased).
+const maxOpen = 1000
+
+// takeSnapshot reads what the overview and the problem lists show:
+// idemops.Check and idemops.Stats (each one pass over the table), the
+// newest keys without an answer (idemops.ListKeys, which reads back from
+// now until it has found them: one pass at most), and one pass over the
 // retention window for the chart and the latency percentiles.
 func takeSnapshot(ctx context.Context, db *sql.DB, opts Options) (*snapshot, error) {
 	start := time.Now()
@@ -53,6 +66,15 @@ func takeSnapshot(ctx context.Context, db *sql.DB, opts Options) (*snapshot, err
 	for _, src := range s.Stats.Sources {
 		s.Sources = append(s.Sources, src.Source)
 	}
+	for _, state := range []idemops.ListState{idemops.ListStuck, idemops.ListLeased} {
+		keys, err := idemops.ListKeys(ctx, db, idemops.ListOptions{Table: opts.Table, State: state, Limit: maxOpen})
+		if err != nil {
+			return nil, err
+		}
+		s.Open = append(s.Open, keys...)
+		s.OpenCapped = s.OpenCapped || len(keys) == maxOpen
+	}
+	sort.SliceStable(s.Open, func(i, j int) bool { return s.Open[i].ClaimedAt.After(s.Open[j].ClaimedAt) })
 	if err := readChart(ctx, db, opts, s); err != nil {
 		return nil, fmt.Errorf("idem: idemui: chart: %w", err)
 	}
@@ -131,4 +153,33 @@ func quoteTable(name string) string {
 
 func secs(f sql.NullFloat64) time.Duration {
 	return time.Duration(f.Float64 * float64(time.Second))
+}
+
+// openKeys returns the first limit keys of the snapshot in state (not
+// ListAll), of source when not "", newest first.
+func (s *snapshot) openKeys(state idemops.ListState, source string, limit int) []idemops.KeyInfo {
+	var out []idemops.KeyInfo
+	for _, k := range s.Open {
+		if len(out) == limit {
+			break
+		}
+		if source != "" && k.Key.Source != source {
+			continue
+		}
+		match := false
+		switch state {
+		case idemops.ListStuck:
+			match = k.State == idemops.KeyUnanswered || k.State == idemops.KeyLeaseExpired
+		case idemops.ListUnanswered:
+			match = k.State == idemops.KeyUnanswered
+		case idemops.ListExpired:
+			match = k.State == idemops.KeyLeaseExpired
+		case idemops.ListLeased:
+			match = k.State == idemops.KeyLeased
+		}
+		if match {
+			out = append(out, k)
+		}
+	}
+	return out
 }
