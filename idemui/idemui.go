@@ -210,12 +210,18 @@ func (h *Handler) Refresh(ctx context.Context) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if err != nil {
+		// The page says that it failed, not why: the error can hold SQL
+		// or the server's address, and the log has it.
+		msg := "the database did not answer; the server's log has the error"
+		if errors.Is(err, context.DeadlineExceeded) {
+			msg = fmt.Sprintf("it took longer than RefreshTimeout (%v)", h.opts.RefreshTimeout)
+		}
 		if h.snap != nil {
 			old := *h.snap
-			old.Err = err.Error()
+			old.Err = msg
 			h.snap = &old
 		} else {
-			h.snap = &snapshot{Err: err.Error()}
+			h.snap = &snapshot{Err: msg}
 		}
 		return err
 	}

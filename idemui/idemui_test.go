@@ -275,3 +275,19 @@ func TestProblemListsFromTheSnapshot(t *testing.T) {
 	_, body = get(t, srv, "keys?state=unanswered")
 	assert.NotContains(t, body, "evt_unanswered")
 }
+
+// A refresh that fails keeps the last snapshot, and says so without the
+// error's text.
+func TestAFailedRefreshKeepsTheLastSnapshot(t *testing.T) {
+	t.Parallel()
+	table := newTable(t, false)
+	h, srv := ui(t, table, idemui.Options{})
+	_, err := db.Exec(`ALTER TABLE "` + table + `" RENAME TO "` + table + `_gone"`)
+	require.NoError(t, err)
+	require.Error(t, h.Refresh(context.Background()))
+	code, body := get(t, srv, "")
+	assert.Equal(t, http.StatusOK, code)
+	assert.Contains(t, body, "The last refresh failed: the database did not answer")
+	assert.Contains(t, body, `<span class="n" id="keys">6</span>`, "the last snapshot")
+	assert.NotContains(t, body, "does not exist")
+}
