@@ -53,11 +53,21 @@ together "partitioned tables, database/sql adapter" partitioned sql ./idemops \
 
 modules=("every benchmark once" benchmarks --)
 [ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
-for m in idemgin idemprom; do
+for m in idemgin idemprom idemui; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
 # The verifying presets against the providers' own signing libraries
 # (stripe-go, the Standard Webhooks library): a test-only module.
+# The operator UI (idemui) in headless Chromium (Debian's chromium package;
+# .ci/run installs it): a test-only module, so chromedp is a requirement of
+# no published module. Screenshots of the pages go to $IDEM_SCREENSHOTS, or
+# a new directory under $TMPDIR.
+browser() {
+  local shots=${IDEM_SCREENSHOTS:-$(mktemp -d "${TMPDIR:-/tmp}/idemui-screenshots.XXXXXX")}
+  echo "screenshots of the pages: $shots"
+  cd internal/browsertest && go vet ./... && IDEM_SCREENSHOTS=$shots go test -race -count=1 ./...
+}
+[ -f internal/browsertest/go.mod ] && modules+=("operator UI in headless Chromium: go test" browser --)
 [ -f internal/providertest/go.mod ] && modules+=("providertest module: go vet + go test -race" providertest --)
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
 # Releases (RELEASING.md): what each public module's zip would hold, from

@@ -6,16 +6,21 @@
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
 //	idem stats                           keys by source, completed and in flight
+//	idem keys show -source S -id ID      one key: state, times, stored answer
+//	idem keys list -state stuck          keys in a state, newest first
+//	idem keys forget -source S -id ID    delete one key so its next delivery runs again
 //	idem version                         the module version and VCS revision of this build
 //
 // Every command but version takes -database-url (default: $DATABASE_URL)
 // and -table (default: webhook_idempotency); idem <command> -h lists its
-// flags. check and stats take -json for a JSON document on stdout instead of
-// the text report (docs/operations.md describes it).
+// flags. check, stats and keys take -json for a JSON document on stdout
+// instead of the text report (docs/operations.md describes it).
 //
 // Exit codes: 0 success (check: healthy); 1 check found warnings; 2 check
 // found critical problems; 3 the command failed (bad usage, database
-// unreachable, SQL error), with a one-line error on stderr.
+// unreachable, SQL error), with a one-line error on stderr; 4 keys show or
+// keys forget found no such key; 5 keys forget refused a key in flight or
+// under a live lease.
 package main
 
 import (
@@ -46,6 +51,7 @@ const (
 	exitWarning  = 1 // check: warnings
 	exitCritical = 2 // check: critical findings
 	exitFailed   = 3 // the command could not do its job
+	// exitNotFound and exitRefused are in keys.go.
 )
 
 const usage = `idem operates an idem idempotency table (https://github.com/pgidem/idem).
@@ -57,11 +63,14 @@ Commands:
   sweep     delete expired keys in bounded batches: one run, then exit
   check     report the table's health; the exit code says how bad
   stats     count keys by source, completed and in flight
+  keys show -source S -id ID       one key: state, times, stored answer (-body to print it)
+  keys list -state stuck           keys by state (unanswered, stuck, leased, expired, all), newest first
+  keys forget -source S -id ID     delete a key so its next delivery runs the handler
   version   print the module version and VCS revision of this build
 
 Every command but version takes -database-url (default: $DATABASE_URL) and
--table (default: webhook_idempotency); check and stats take -json. Run
-idem <command> -h for its flags.
+-table (default: webhook_idempotency); check, stats and keys take -json.
+Run idem <command> -h for its flags.
 
 Exit codes:
   0  success; for check: healthy
@@ -69,6 +78,8 @@ Exit codes:
   2  check found critical problems
   3  the command failed: bad usage, database unreachable, SQL error
      (a one-line error on stderr)
+  4  keys show, keys forget: no such key
+  5  keys forget: refused (in flight or under a live lease; -force overrides)
 `
 
 func main() {
@@ -81,7 +92,7 @@ func main() {
 // command is one subcommand: its flags and what it does with them.
 type command struct {
 	name, summary string
-	flags         func(fs *flag.FlagSet) func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error)
+	flags         func(fs *flag.FlagSet) func(ctx context.Context, db *sql.DB, table string, stdout, stderr io.Writer) (int, error)
 }
 
 var commands = []command{
@@ -89,12 +100,15 @@ var commands = []command{
 	{"sweep", "delete keys older than -retention in bounded batches, one run", sweepFlags},
 	{"check", "report the table's health; exit 0 healthy, 1 warning, 2 critical", checkFlags},
 	{"stats", "count keys by source, completed and in flight", statsFlags},
+	{"keys show", "show one key: its state, times and stored answer; exit 4 when there is none", keysShowFlags},
+	{"keys list", "list the keys in a state, newest first", keysListFlags},
+	{"keys forget", "delete one key so that its next delivery runs the handler; exit 4 not found, 5 refused", keysForgetFlags},
 }
 
 // run runs the command line args and returns the exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintln(stderr, "idem: missing command (migrate, sweep, check, stats or version); see idem -h")
+		fmt.Fprintln(stderr, "idem: missing command (migrate, sweep, check, stats, keys or version); see idem -h")
 		return exitFailed
 	}
 	switch args[0] {
@@ -114,6 +128,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprint(stdout, versionText(bi))
 		return exitOK
 	}
+	if args[0] == "keys" {
+		if len(args) < 2 || strings.HasPrefix(args[1], "-") {
+			fmt.Fprintln(stderr, "idem keys: missing subcommand (show, list or forget); see idem -h")
+			return exitFailed
+		}
+		args = append([]string{"keys " + args[1]}, args[2:]...)
+	}
 	var cmd *command
 	for i := range commands {
 		if commands[i].name == args[0] {
@@ -121,7 +142,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if cmd == nil {
-		fmt.Fprintf(stderr, "idem: unknown command %q (migrate, sweep, check, stats or version); see idem -h\n", args[0])
+		fmt.Fprintf(stderr, "idem: unknown command %q (migrate, sweep, check, stats, keys or version); see idem -h\n", args[0])
 		return exitFailed
 	}
 	fail := func(err error) int {
@@ -140,7 +161,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "Usage: idem %s [flags]\n\n%s.\n\nFlags:\n", cmd.name, capitalize(cmd.summary))
 		fs.SetOutput(stdout)
 		fs.PrintDefaults()
-		fmt.Fprint(stdout, "\nExit codes: 0 success (check: healthy), 1 check: warnings, 2 check: critical, 3 failed.\n")
+		fmt.Fprint(stdout, "\nExit codes: 0 success (check: healthy), 1 check: warnings, 2 check: critical, 3 failed, 4 keys: not found, 5 keys forget: refused.\n")
 		return exitOK
 	case err != nil:
 		return fail(fmt.Errorf("%w (see idem %s -h)", err, cmd.name))
@@ -162,17 +183,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := db.PingContext(ctx); err != nil {
 		return fail(fmt.Errorf("connect: %w", err))
 	}
-	code, err := exec(ctx, db, *table, stdout)
+	code, err := exec(ctx, db, *table, stdout, stderr)
 	if err != nil {
 		return fail(err)
 	}
 	return code
 }
 
-func migrateFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+func migrateFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer, io.Writer) (int, error) {
 	interval := fs.Duration("partition-interval", 0, "create the table range-partitioned on claimed_at, one partition per interval (whole hours; 24h: one per UTC day); on a partitioned table, the interval of the partitions added from now on (default: that of its newest partition)")
 	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
-	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
 		if *ahead <= 0 {
 			return 0, errors.New("-partitions-ahead must be positive")
 		}
@@ -213,14 +234,14 @@ func migrated(table string, r migration.Result) string {
 	return fmt.Sprintf("table %q updated: added %s", table, strings.Join(added, ", "))
 }
 
-func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer, io.Writer) (int, error) {
 	retention := fs.Duration("retention", idemops.DefaultRetention, "delete keys claimed longer ago than this; at least 72h unless -unsafe-short-retention")
 	unsafe := fs.Bool("unsafe-short-retention", false, "accept a retention under 72h: a key deleted while its sender still retries runs the handler twice")
 	batch := fs.Int("batch", idemops.DefaultSweepBatch, "the most keys one transaction deletes")
 	maxBatches := fs.Int("max-batches", idemops.DefaultSweepMaxBatches, "the most batches of this run")
 	pause := fs.Duration("pause", idemops.DefaultSweepPause, "the pause between batches (0: none)")
 	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
-	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
 		opts := idemops.SweepOptions{
 			Table: table, Retention: *retention, UnsafeShortRetention: *unsafe,
 			BatchSize: *batch, MaxBatches: *maxBatches, Pause: *pause, PartitionsAhead: *ahead,
@@ -258,13 +279,13 @@ func sweepFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 	}
 }
 
-func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer, io.Writer) (int, error) {
 	horizon := fs.Duration("horizon", idemops.DefaultHorizon, "the longest retry horizon of the table's senders: keys must live longer")
 	retention := fs.Duration("retention", idemops.DefaultRetention, "the sweeper's -retention")
 	stuck := fs.Duration("stuck-after", idemops.DefaultStuckAfter, "report claims in flight for longer than this")
 	grace := fs.Duration("overdue-grace", idemops.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
 	asJSON := fs.Bool("json", false, "print the report as one JSON document (docs/operations.md); the exit code is the same")
-	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
 		for name, d := range map[string]time.Duration{"-horizon": *horizon, "-retention": *retention, "-stuck-after": *stuck, "-overdue-grace": *grace} {
 			if d <= 0 {
 				return 0, fmt.Errorf("%s must be positive", name)
@@ -336,10 +357,10 @@ func printKeys(w io.Writer, keys []idemops.UnansweredKey) {
 	}
 }
 
-func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer) (int, error) {
+func statsFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer, io.Writer) (int, error) {
 	sources := fs.Int("sources", 100, "list at most this many sources, the busiest first")
 	asJSON := fs.Bool("json", false, "print the statistics as one JSON document (docs/operations.md)")
-	return func(ctx context.Context, db *sql.DB, table string, stdout io.Writer) (int, error) {
+	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
 		if *sources <= 0 {
 			return 0, errors.New("-sources must be positive")
 		}

@@ -19,9 +19,9 @@ import (
 var (
 	// published are the modules users go get, each tagged on its own
 	// (RELEASING.md).
-	published = []string{".", "idemgin", "idemprom"}
+	published = []string{".", "idemgin", "idemprom", "idemui"}
 	// unpublished are modules that only this repository uses.
-	unpublished = []string{"examples", "bench", "internal/providertest", "internal/tools/modcheck"}
+	unpublished = []string{"examples", "bench", "internal/browsertest", "internal/providertest", "internal/tools/modcheck"}
 )
 
 // module is one public module in a tree.
