@@ -33,11 +33,12 @@ func (p sqlPool) Query(ctx context.Context, query string, args []any, each func(
 	return summary.EachRow(rows, each)
 }
 
-// sqlConn is a claim's statements on database/sql: tx while a transaction
-// is open.
+// sqlConn is a claim's statements on database/sql: conn, taken from the
+// pool within ctx when a transaction begins, and tx while it is open.
 type sqlConn struct {
-	db *sql.DB
-	tx *sql.Tx
+	db   *sql.DB
+	conn *sql.Conn
+	tx   *sql.Tx
 }
 
 func (c *sqlConn) Handle() any { return c.tx }
@@ -48,13 +49,13 @@ type sqlQuerier interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
-// Send sends b's statements one by one. The transaction begins on a
-// context that does not end, because database/sql sends COMMIT on the
-// context a transaction began with, through pgx, which cancels a query
-// whose context ends, and a COMMIT must never be cancelled
-// (driver.Batch.Commit); that also spares database/sql a goroutine
-// watching it. Every statement is sent with ctx, and COMMIT only while ctx
-// lasts.
+// Send sends b's statements one by one. A transaction's connection is
+// taken within ctx, but the transaction begins on a context that does not
+// end, because database/sql sends COMMIT on the context a transaction
+// began with, through pgx, which cancels a query whose context ends, and a
+// COMMIT must never be cancelled (driver.Batch.Commit); that also spares
+// database/sql a goroutine watching it. Every statement is sent with ctx,
+// and COMMIT only while ctx lasts.
 func (c *sqlConn) Send(ctx context.Context, b *driver.Batch) error {
 	err := c.send(ctx, b)
 	if errors.Is(err, sql.ErrTxDone) { // the handler ended the transaction
@@ -65,7 +66,14 @@ func (c *sqlConn) Send(ctx context.Context, b *driver.Batch) error {
 
 func (c *sqlConn) send(ctx context.Context, b *driver.Batch) error {
 	if b.Begin != nil {
-		tx, err := c.db.BeginTx(context.WithoutCancel(ctx), b.Begin)
+		if c.conn == nil {
+			conn, err := c.db.Conn(ctx) // waiting for a connection ends with ctx
+			if err != nil {
+				return err
+			}
+			c.conn = conn
+		}
+		tx, err := c.conn.BeginTx(context.WithoutCancel(ctx), b.Begin)
 		if err != nil {
 			return err
 		}
@@ -122,15 +130,19 @@ func (c *sqlConn) run(ctx context.Context, s *driver.Stmt, commits bool) error {
 	return err
 }
 
-// Close rolls back the transaction, if one is open.
+// Close rolls back the transaction, if one is open, and gives the
+// connection back to the pool.
 func (c *sqlConn) Close(context.Context) error {
-	tx := c.tx
-	if tx == nil {
-		return nil
+	var err error
+	if tx := c.tx; tx != nil {
+		c.tx = nil
+		if err = tx.Rollback(); errors.Is(err, sql.ErrTxDone) {
+			err = nil
+		}
 	}
-	c.tx = nil
-	if err := tx.Rollback(); !errors.Is(err, sql.ErrTxDone) {
-		return err
+	if conn := c.conn; conn != nil {
+		c.conn = nil
+		err = errors.Join(err, conn.Close())
 	}
-	return nil
+	return err
 }

@@ -120,8 +120,12 @@ type leaseRun struct {
 }
 
 // extend makes the lease run for Options.Lease again from now, if the token
-// still owns the key (ExtendLease).
+// still owns the key (ExtendLease). It needs a connection of its own (the
+// handler's transaction may hold one): the wait for it is bounded by half
+// the lease, so that a full pool fails the heartbeat in time to say so.
 func (r *leaseRun) extend(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, r.m.lease/2)
+	defer cancel()
 	err := r.m.drv.ExtendLease(ctx, r.a, r.token, r.m.lease)
 	switch {
 	case errors.Is(err, driver.ErrFenced):

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -74,12 +75,16 @@ func TestLeaseModeCompletesAndReplays(t *testing.T) {
 }
 
 // New picks a HandlerTimeout shorter than the Lease when none is given, and
-// takes a longer one, for handlers that keep their lease with ExtendLease.
+// takes a longer one, for handlers that keep their lease with ExtendLease,
+// with a warning.
 func TestLeaseOptions(t *testing.T) {
 	db := idem.OpenTestDB(t)
 	kf := idem.Header("test", "X-Event-Id")
-	_, err := idem.New(db, idem.Options{KeyFunc: kf, Lease: time.Second, HandlerTimeout: time.Minute})
+	var logged strings.Builder
+	logger := slog.New(slog.NewTextHandler(&logged, nil))
+	_, err := idem.New(db, idem.Options{KeyFunc: kf, Lease: time.Second, HandlerTimeout: time.Minute, Logger: logger})
 	assert.NoError(t, err)
+	assert.Contains(t, logged.String(), "ExtendLease", "a HandlerTimeout past the lease is warned about")
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: -time.Second})
 	assert.Error(t, err)
 	_, err = idem.New(db, idem.Options{KeyFunc: kf, Lease: 5 * time.Second})

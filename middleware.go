@@ -127,8 +127,10 @@ func KeyFromContext(ctx context.Context) (Key, bool) {
 // HandlerTimeout set above it) calls it at intervals well inside Lease. It
 // returns an error wrapping ErrLeaseExpired when the lease had run out and
 // another delivery took the key over (this run's answer will not be
-// stored: stop), ErrUnavailable when the database could not be reached, and
-// ErrNotLeased outside a lease-mode handler.
+// stored: stop), ErrUnavailable when the database could not be reached
+// within half the lease, and ErrNotLeased outside a lease-mode handler. A
+// heartbeat takes a connection of its own beside the handler's transaction:
+// size the pool for one more per handler that beats while it holds one.
 func ExtendLease(ctx context.Context) error {
 	s, ok := ctx.Value(ctxKey{}).(*reqState)
 	if !ok || s.lease == nil {

@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"context"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -304,6 +305,11 @@ func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
 		if c != "Content-Type" && c != "" {
 			m.replayHeaders = append(m.replayHeaders, c)
 		}
+	}
+	if m.lease > 0 && m.handlerTimeout >= m.lease {
+		m.logr().LogAttrs(context.Background(), slog.LevelWarn,
+			"idem: Options.HandlerTimeout is not shorter than Options.Lease: a handler that runs past its lease without idem.ExtendLease can be taken over while it runs, and what it does outside the database then happens twice (see docs/lease.md)",
+			slog.Duration("handler_timeout", m.handlerTimeout), slog.Duration("lease", m.lease))
 	}
 	return m, nil
 }

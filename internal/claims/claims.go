@@ -151,9 +151,8 @@ func (s *Store) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error)
 // plain table, after looking for it in those (claimCurrent); a claim there
 // that fails for a reason of the partitions' (summary.ClaimAgainEverywhere:
 // begun past the partition's end, a partition dropped since the last
-// listing) is made again, in a new transaction on the same connection,
-// across every partition, as is a claim without summaries
-// (claimEverywhere).
+// listing) is made again, in a new transaction, across every partition,
+// as is a claim without summaries (claimEverywhere).
 func (s *Store) beginPartitioned(ctx context.Context, a *driver.Args) (driver.Begun, error) {
 	if s.rc == nil {
 		return driver.Begun{}, driver.ErrPartitionedIsolation

@@ -73,8 +73,11 @@ func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
 // lookup reads the key's row and lock with a new statement, whose snapshot
 // sees what committed before it. Above READ COMMITTED the snapshot is the
 // transaction's first, so the lookup also ends the transaction (in the same
-// round trip where the Pool pipelines): a wait for the key then begins a
-// new one, whose snapshot comes after the wait.
+// round trip where the Pool pipelines), which a replay no longer needs. A
+// wait then begins a new one, whose snapshot its own statement takes before
+// the original ends: a row committed meanwhile is invisible to it, and the
+// claim after the wait fails with a serialization failure, which the
+// engine meets by claiming again in a new transaction.
 func (t *tx) lookup(ctx context.Context, a *driver.Args) (driver.Row, error) {
 	var s driver.Scan
 	b := t.batch(driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()})
