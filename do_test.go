@@ -559,3 +559,42 @@ func TestRetryableSortsTheErrors(t *testing.T) {
 		assert.False(t, idem.Retryable(err), "%v", err)
 	}
 }
+
+// A claim waits for a connection of the pool only as long as its context
+// lasts: with the pool's one connection held elsewhere, Do returns when
+// its ctx ends, not when the connection comes back (database/sql; pgx's
+// pool waits within the context by itself).
+func TestDoWaitsForAConnectionOnlyWhileItsContextLasts(t *testing.T) {
+	t.Parallel()
+	db := idem.OpenTestDB(t)
+	table := idem.NewTestTable(t, db)
+	db.SetMaxOpenConns(1)
+	mw, err := idem.New(db, idem.Options{Table: table})
+	require.NoError(t, err)
+	run := func(context.Context) ([]byte, error) { return []byte("ran"), nil }
+	_, err = mw.Do(context.Background(), idem.Key{Source: "test", EventID: "evt_first"}, []byte("x"), run) // the table's layout is known
+	require.NoError(t, err)
+	held, err := db.Conn(context.Background())
+	require.NoError(t, err)
+	returned, released := make(chan struct{}), make(chan struct{})
+	go func() {
+		select { // a guard only: the test fails if the connection had to come back first
+		case <-returned:
+		case <-time.After(20 * time.Second):
+		}
+		_ = held.Close()
+		close(released)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	_, err = mw.Do(ctx, idem.Key{Source: "test", EventID: "evt_pool"}, []byte("x"), run)
+	select {
+	case <-released:
+		t.Fatal("Do returned only once the pool's connection came back")
+	default:
+	}
+	close(returned)
+	<-released
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.ErrorIs(t, err, idem.ErrUnavailable)
+}
