@@ -212,6 +212,18 @@ func TestRelease(t *testing.T) {
 		resp, _ = post(t, srv, form, nil)
 		assert.Equal(t, http.StatusForbidden, resp.StatusCode, "a forged token")
 	})
+	t.Run("a token for the key as it was is refused once the key changed", func(t *testing.T) {
+		form := url.Values{"source": {"stripe"}, "id": {"evt_unanswered"}, "token": {token(t, srv, "stripe", "evt_unanswered")}}
+		// Meanwhile the key is answered (a takeover that completed, say).
+		_, err := db.Exec(`UPDATE "`+table+`" SET response_status = 201, response_body = 'late', completed_at = now()
+			WHERE source = 'stripe' AND event_id = 'evt_unanswered'`)
+		require.NoError(t, err)
+		resp, body := post(t, srv, form, nil)
+		assert.Equal(t, http.StatusForbidden, resp.StatusCode)
+		assert.Contains(t, body, "changed since")
+		code, _ := get(t, srv, keyPath("stripe", "evt_unanswered"))
+		assert.Equal(t, http.StatusOK, code, "still there")
+	})
 	t.Run("a cross-site post is refused, even with a token", func(t *testing.T) {
 		form := url.Values{"source": {"stripe"}, "id": {"evt_done"}, "token": {token(t, srv, "stripe", "evt_done")}}
 		resp, _ := post(t, srv, form, http.Header{"Sec-Fetch-Site": {"cross-site"}})

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/pgidem/idem"
@@ -20,26 +21,31 @@ import (
 // tokenTTL is how long a confirmation page's token stays good.
 const tokenTTL = 10 * time.Minute
 
-// token signs the release of k until expiry with the handler's secret: a
-// page of another origin cannot read it, so it cannot forge the POST.
-func (h *Handler) token(k idem.Key, expiry time.Time) string {
+// token signs the release of k, as info shows it, until expiry with the
+// handler's secret: a page of another origin cannot read it, so it cannot
+// forge the POST; and a key that changed since its confirmation page was
+// shown (taken over, completed, claimed again) is not released by it.
+func (h *Handler) token(info *idemops.KeyInfo, expiry time.Time) string {
 	var exp [8]byte
 	binary.BigEndian.PutUint64(exp[:], uint64(expiry.Unix()))
-	return base64.RawURLEncoding.EncodeToString(append(exp[:], h.mac(k, exp[:])...))
+	return base64.RawURLEncoding.EncodeToString(append(exp[:], h.mac(info, exp[:])...))
 }
 
-func (h *Handler) mac(k idem.Key, exp []byte) []byte {
+func (h *Handler) mac(info *idemops.KeyInfo, exp []byte) []byte {
 	m := hmac.New(sha256.New, h.secret[:])
 	m.Write([]byte("idemui release\x00"))
 	m.Write(exp)
-	m.Write([]byte(k.Source))
-	m.Write([]byte{0})
-	m.Write([]byte(k.EventID))
+	for _, s := range []string{info.Key.Source, info.Key.EventID, strconv.Itoa(int(info.State)),
+		strconv.FormatInt(info.ClaimedAt.UnixNano(), 10), strconv.FormatInt(info.CompletedAt.UnixNano(), 10)} {
+		m.Write([]byte(s))
+		m.Write([]byte{0})
+	}
 	return m.Sum(nil)
 }
 
-// checkToken reports whether tok is a token for k that has not expired.
-func (h *Handler) checkToken(k idem.Key, tok string, now time.Time) bool {
+// checkToken reports whether tok is a token, not expired, for the key as
+// info shows it now.
+func (h *Handler) checkToken(info *idemops.KeyInfo, tok string, now time.Time) bool {
 	b, err := base64.RawURLEncoding.DecodeString(tok)
 	if err != nil || len(b) != 8+sha256.Size {
 		return false
@@ -47,7 +53,7 @@ func (h *Handler) checkToken(k idem.Key, tok string, now time.Time) bool {
 	if now.After(time.Unix(int64(binary.BigEndian.Uint64(b[:8])), 0)) {
 		return false
 	}
-	return hmac.Equal(b[8:], h.mac(k, b[:8]))
+	return hmac.Equal(b[8:], h.mac(info, b[:8]))
 }
 
 // releaseData is the confirmation page's data.
@@ -69,14 +75,23 @@ func (h *Handler) confirmRelease(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	h.render(w, http.StatusOK, "release", "Release a key", releaseData{Key: k, Info: info, Token: h.token(k, time.Now().Add(tokenTTL))})
+	h.render(w, http.StatusOK, "release", "Release a key", releaseData{Key: k, Info: info, Token: h.token(info, time.Now().Add(tokenTTL))})
 }
 
 func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	k := idem.Key{Source: r.PostFormValue("source"), EventID: r.PostFormValue("id")}
-	if !h.checkToken(k, r.PostFormValue("token"), time.Now()) {
+	now, err := idemops.ShowKey(r.Context(), h.db, idemops.KeyOptions{Table: h.opts.Table, Key: k})
+	switch {
+	case errors.Is(err, idemops.ErrKeyNotFound):
+		h.render(w, http.StatusNotFound, "key", "Key not found", keyData{Key: k})
+		return
+	case err != nil:
+		h.fail(w, r, err)
+		return
+	}
+	if !h.checkToken(now, r.PostFormValue("token"), time.Now()) {
 		h.render(w, http.StatusForbidden, "message", "Forbidden",
-			"The release was refused: its token is missing, expired or for another key. Open the key's page and release it from there again.")
+			"The release was refused: its token is missing, expired or for another key, or the key changed since its confirmation page was shown. Open the key's page and release it from there again.")
 		return
 	}
 	actor := ""
@@ -85,15 +100,18 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	} else if user, _, ok := r.BasicAuth(); ok {
 		actor = user
 	}
-	_, err := idemops.ForgetKey(r.Context(), h.db, idemops.ForgetOptions{
+	_, err = idemops.ForgetKey(r.Context(), h.db, idemops.ForgetOptions{
 		Table: h.opts.Table, Key: k, Force: r.PostFormValue("force") == "on",
 		Reason: r.PostFormValue("reason"), Actor: actor, Logger: h.log,
 	})
 	switch {
 	case errors.Is(err, idemops.ErrKeyInFlight), errors.Is(err, idemops.ErrLeaseLive):
-		info, _ := idemops.ShowKey(r.Context(), h.db, idemops.KeyOptions{Table: h.opts.Table, Key: k})
-		h.render(w, http.StatusConflict, "release", "Release refused", releaseData{Key: k, Info: info,
-			Token: h.token(k, time.Now().Add(tokenTTL)), Error: oneLine(err)})
+		info, ierr := idemops.ShowKey(r.Context(), h.db, idemops.KeyOptions{Table: h.opts.Table, Key: k})
+		d := releaseData{Key: k, Info: info, Error: oneLine(err)}
+		if ierr == nil {
+			d.Token = h.token(info, time.Now().Add(tokenTTL))
+		}
+		h.render(w, http.StatusConflict, "release", "Release refused", d)
 		return
 	case errors.Is(err, idemops.ErrKeyNotFound):
 		h.render(w, http.StatusNotFound, "key", "Key not found", keyData{Key: k})
