@@ -493,6 +493,34 @@ func TestLeaseHandlerEndingItsTransactionKeepsTheKey(t *testing.T) {
 	assert.Equal(t, int64(1), r.Unanswered, "reported for an operator")
 }
 
+// In single-transaction mode too, a handler that commits the middleware's
+// transaction itself (on pgx, with a raw COMMIT around the handle's
+// refusal, where the key's row would only have been written with the
+// answer) leaves its key claimed without an answer: never run again.
+func TestHandlerCommittingItselfIsNeverRunAgain(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, _ := txFrom(r.Context())
+		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
+		assert.NoError(t, err)
+		if tx.s != nil {
+			assert.NoError(t, tx.s.Commit())
+		} else {
+			_, err = tx.p.Conn().Exec(r.Context(), "COMMIT")
+			assert.NoError(t, err)
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	assert.Equal(t, http.StatusInternalServerError, f.post("evt_1", "{}").status)
+	assert.Equal(t, http.StatusConflict, f.post("evt_1", "{}").status, "not run again")
+	assert.Equal(t, 1, f.ledgerRows())
+	assert.Equal(t, int64(1), f.runs.Load())
+	r, err := idemops.Check(context.Background(), f.db, idemops.CheckOptions{Table: f.table})
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), r.Unanswered, "reported for an operator")
+}
+
 // A duplicate whose claim meets the key's row locked (a completion
 // committing) waits at most LockWait, then gets 409, not the 503 of its
 // own HandlerTimeout.

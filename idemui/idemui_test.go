@@ -215,7 +215,7 @@ func TestRelease(t *testing.T) {
 	t.Run("a token for the key as it was is refused once the key changed", func(t *testing.T) {
 		form := url.Values{"source": {"stripe"}, "id": {"evt_unanswered"}, "token": {token(t, srv, "stripe", "evt_unanswered")}}
 		// Meanwhile the key is answered (a takeover that completed, say).
-		_, err := db.Exec(`UPDATE "`+table+`" SET response_status = 201, response_body = 'late', completed_at = now()
+		_, err := db.Exec(`UPDATE "` + table + `" SET response_status = 201, response_body = 'late', completed_at = now()
 			WHERE source = 'stripe' AND event_id = 'evt_unanswered'`)
 		require.NoError(t, err)
 		resp, body := post(t, srv, form, nil)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -300,6 +301,22 @@ func TestATakeOverIsCompletedByAnUpdate(t *testing.T) {
 	require.True(t, won)
 	require.NoError(t, b.Tx.Commit(ctx, args, 200, nil, nil))
 	assert.Equal(t, []string{"layout?", "BEGIN(read committed) TryLock Read", "TakeOver", "CompleteOrFail COMMIT", "close"}, p.log)
+}
+
+// A handler that ended the transaction itself, lock-first, has left its
+// key without a row: it is recorded as claimed without an answer, so that
+// no redelivery runs it again.
+func TestAHandlerThatEndedTheTransactionLeavesAClaim(t *testing.T) {
+	ctx := context.Background()
+	p := newFake(true, nil)
+	p.answer("TryLock", values(true))
+	p.answer("InsertCompleted", func(*driver.Stmt) error { return fmt.Errorf("%w: %w", driver.ErrTxDone, driver.ErrTxEnded) })
+	s := newStore(t, p, nil)
+	b, err := s.Begin(ctx, args)
+	require.NoError(t, err)
+	require.ErrorIs(t, b.Tx.Commit(ctx, args, 200, nil, nil), driver.ErrTxEnded)
+	require.NoError(t, b.Tx.Rollback(ctx))
+	assert.Equal(t, []string{"layout?", "BEGIN(read committed) TryLock Read", "InsertCompleted COMMIT", "InsertUnanswered", "close"}, p.log)
 }
 
 // fakePast are summaries that answer as a test says.

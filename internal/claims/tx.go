@@ -3,6 +3,7 @@ package claims
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 
@@ -225,7 +226,16 @@ func (t *tx) Wait(ctx context.Context, a *driver.Args, d time.Duration) (driver.
 func (t *tx) Commit(ctx context.Context, a *driver.Args, status int, headers, body []byte) error {
 	if t.insertAtEnd {
 		q := t.q.InsertCompleted
-		return t.commit(ctx, driver.ErrNotStored, q, q, a.Source, a.EventID, a.Digest, status, string(headers), body)
+		err := t.commit(ctx, driver.ErrNotStored, q, q, a.Source, a.EventID, a.Digest, status, string(headers), body)
+		if errors.Is(err, driver.ErrTxEnded) {
+			// The handler committed (or rolled back) the transaction
+			// itself, and lock-first the key has no row yet: record it as
+			// claimed without an answer, on the same connection, now out
+			// of any transaction.
+			b := t.batch(driver.Stmt{SQL: t.q.InsertUnanswered, Args: []any{a.Source, a.EventID, a.Digest}})
+			err = errors.Join(err, t.c.Send(ctx, b))
+		}
+		return err
 	}
 	complete := t.q.Complete
 	if t.orRead {

@@ -248,6 +248,11 @@ type Queries struct {
 	// snapshot comes after the lock), and at the end insert the completed
 	// row, one row write instead of the claim's INSERT and UPDATE.
 	TryLock, Read, InsertCompleted string
+	// InsertUnanswered records a key won lock-first whose handler ended the
+	// transaction itself (its writes may have committed) as claimed
+	// without an answer, in a statement that commits on its own: as the
+	// insert-first claim leaves it, so that no redelivery runs it again.
+	InsertUnanswered string
 	// CompleteOrFail is Complete that fails (division by zero) when it
 	// finds no claim to complete, for a COMMIT pipelined behind it.
 	CompleteOrFail string
@@ -364,6 +369,7 @@ SELECT s.old, pg_advisory_xact_lock($1)::text FROM s`,
 FROM ` + q + ` AS r WHERE r.source = $1 AND r.event_id = $2` + notAhead("r."),
 		InsertCompleted: `INSERT INTO ` + q + ` (source, event_id, payload_digest, response_status, response_headers, response_body, completed_at)
 VALUES ($1, $2, $3, $4, $5, $6, now())`,
+		InsertUnanswered: `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)`,
 
 		CompleteOrFail: `WITH u AS (` + complete + `
 RETURNING 1)
