@@ -105,7 +105,7 @@ func forget(ctx context.Context, db *sql.DB, t catalog.Table, opts ForgetOptions
 	if err := tx.QueryRowContext(ctx, `SELECT pg_try_advisory_xact_lock($1)`, catalog.LockID(t.Rel, opts.Key.Source, opts.Key.EventID)).Scan(&locked); err != nil {
 		return nil, err
 	}
-	if _, err := tx.ExecContext(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = %d`, wait.Milliseconds())); err != nil {
+	if _, err := tx.ExecContext(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = %d`, max(1, wait.Milliseconds()))); err != nil { // 0 would wait forever
 		return nil, err
 	}
 	f := &Forgotten{}

@@ -61,7 +61,7 @@ func keysShowFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.W
 		}
 		printKey(stdout, info)
 		if *body {
-			fmt.Fprintf(stdout, "body:\n%s\n", info.Body)
+			fmt.Fprintf(stdout, "body:\n%s\n", printable(info.Body))
 		}
 		return exitOK, nil
 	}
@@ -295,4 +295,22 @@ func keyJSON(k *idemops.KeyInfo, withBody bool) keyInfoDoc {
 		d.LockHolder = &k.HolderPID
 	}
 	return d
+}
+
+// printable is a stored body as a terminal may show it: control characters
+// other than newline and tab (which could move the cursor or retitle the
+// window: the body is whatever a sender's handler answered) become \xNN.
+func printable(b []byte) string {
+	var out strings.Builder
+	for _, r := range string(b) {
+		switch {
+		case r == '\n' || r == '\t':
+			out.WriteRune(r)
+		case r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0):
+			fmt.Fprintf(&out, "\\x%02x", r)
+		default:
+			out.WriteRune(r)
+		}
+	}
+	return out.String()
 }

@@ -588,3 +588,12 @@ func TestVersionText(t *testing.T) {
 		assert.Equal(t, tc.want, versionText(tc.bi), name)
 	}
 }
+
+// A stored body shown with -body cannot drive the terminal: its control
+// characters are escaped, newlines and tabs kept.
+func TestPrintableEscapesControlCharacters(t *testing.T) {
+	got := printable([]byte("ok\n\x1b]0;owned\x07\tdone\u0085"))
+	if want := "ok\n\\x1b]0;owned\\x07\tdone\\x85"; got != want {
+		t.Fatalf("printable = %q, want %q", got, want)
+	}
+}
