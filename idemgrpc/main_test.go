@@ -86,21 +86,24 @@ type setup struct {
 	gopts  []idemgrpc.Option
 	dial   []grpc.DialOption
 	before grpc.UnaryServerInterceptor
+	// bare leaves idem's interceptor out (the benchmarks' baseline).
+	bare bool
 }
 
 // world is one test's table, ledger, server and client.
 type world struct {
-	t       *testing.T
+	t       testing.TB
 	adapter string
 	table   string
 	ledger  string
 	client  testpb.LedgerClient
+	pool    *pgxpool.Pool // the pgx adapter's pool
 	runs    atomic.Int64
 	// handle, when set, is the handler of Pay; the default is (*world).write.
 	handle func(ctx context.Context, req *testpb.PayRequest) (*testpb.PayReply, error)
 }
 
-func newWorld(t *testing.T, adapter string, s setup) *world {
+func newWorld(t testing.TB, adapter string, s setup) *world {
 	t.Helper()
 	n := seq.Add(1)
 	w := &world{t: t, adapter: adapter, table: fmt.Sprintf("keys_%d", n), ledger: fmt.Sprintf("ledger_%d", n)}
@@ -114,6 +117,7 @@ func newWorld(t *testing.T, adapter string, s setup) *world {
 		pool, err := pgxpool.New(t.Context(), dbURL)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
+		w.pool = pool
 		mw, err = idempgx.New(pool, s.opts)
 		require.NoError(t, err)
 	} else {
@@ -128,7 +132,9 @@ func newWorld(t *testing.T, adapter string, s setup) *world {
 	if s.before != nil {
 		chain = append(chain, s.before)
 	}
-	chain = append(chain, idemgrpc.UnaryServerInterceptor(mw, gopts...))
+	if !s.bare {
+		chain = append(chain, idemgrpc.UnaryServerInterceptor(mw, gopts...))
+	}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	testpb.RegisterLedgerServer(srv, &ledgerServer{w: w})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
