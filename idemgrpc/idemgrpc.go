@@ -210,7 +210,7 @@ func (c *config) intercept(ctx context.Context, mw *idem.Middleware, req any, me
 	case err != nil:
 		return nil, err
 	case eventID == "" && c.requireKey:
-		return nil, status.Errorf(codes.InvalidArgument, "idempotency key required: send it in the %s metadata entry", c.keyPlace())
+		return nil, status.Errorf(codes.InvalidArgument, "idempotency key required: send it in the %s", c.keyPlace())
 	case eventID == "":
 		return handler(ctx, req)
 	case !isProto:
@@ -313,11 +313,12 @@ func (c *config) key(ctx context.Context, msg proto.Message) (string, error) {
 	return k, nil
 }
 
+// keyPlace says where a call's key is read from.
 func (c *config) keyPlace() string {
 	if c.keyField != "" {
-		return string(c.keyField) + " field or the"
+		return string(c.keyField) + " field of the request message"
 	}
-	return MetadataKey
+	return MetadataKey + " metadata entry"
 }
 
 // replay turns a stored value back into the response or the final error.
