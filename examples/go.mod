@@ -9,11 +9,13 @@ require (
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/labstack/echo/v4 v4.16.0
 	github.com/pgidem/idem v0.1.0
+	github.com/pgidem/idem/idemgrpc v0.1.0
 	github.com/pgidem/idem/idemprom v0.1.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/riverqueue/river v0.51.2
 	github.com/riverqueue/river/riverdriver/riverdatabasesql v0.51.2
 	github.com/stretchr/testify v1.12.1
+	google.golang.org/grpc v1.85.0
 )
 
 require (
@@ -40,6 +42,7 @@ require (
 	github.com/ugorji/go/codec v1.3.1 // indirect
 	go.mongodb.org/mongo-driver/v2 v2.5.0 // indirect
 	golang.org/x/arch v0.22.0 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
 )
 
 require (
@@ -73,11 +76,13 @@ require (
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/text v0.43.0 // indirect
-	google.golang.org/protobuf v1.36.12 // indirect
+	google.golang.org/protobuf v1.36.12
 )
 
 replace github.com/pgidem/idem => ../
 
 replace github.com/pgidem/idem/idemgin => ../idemgin
+
+replace github.com/pgidem/idem/idemgrpc => ../idemgrpc
 
 replace github.com/pgidem/idem/idemprom => ../idemprom

@@ -135,9 +135,11 @@ rehearse idempgx github.com/pgidem/idem github.com/pgidem/idem/idempgx
 rehearse idemgin github.com/pgidem/idem github.com/pgidem/idem/idemgin
 rehearse idemprom github.com/pgidem/idem github.com/pgidem/idem/idemprom
 rehearse idemui github.com/pgidem/idem github.com/pgidem/idem/idemui
+rehearse idemgrpc github.com/pgidem/idem github.com/pgidem/idem/idemgrpc
 rehearse_alone idemgin github.com/pgidem/idem/idemgin
 rehearse_alone idemprom github.com/pgidem/idem/idemprom
 rehearse_alone idemui github.com/pgidem/idem/idemui
+rehearse_alone idemgrpc github.com/pgidem/idem/idemgrpc
 echo "-- go install github.com/pgidem/idem/cmd/idem@$version"
 go install -trimpath "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
 usage=$("$GOBIN/idem" -h)

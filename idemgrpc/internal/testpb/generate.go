@@ -1,0 +1,6 @@
+// Package testpb is the generated code of ledger.proto, the test service of
+// idemgrpc. Regenerate it with go generate (needs protoc, protoc-gen-go
+// v1.36.12 and protoc-gen-go-grpc v1.6.2 on PATH).
+package testpb
+
+//go:generate protoc --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative ledger.proto
