@@ -91,9 +91,11 @@ func (c *sqlConn) send(ctx context.Context, b *driver.Batch) error {
 		if err := ctx.Err(); err != nil {
 			return err // the deadline passed: the engine rolls back
 		}
-		tx := c.tx
-		c.tx = nil
-		return tx.Commit()
+		tx, conn := c.tx, c.conn
+		c.tx, c.conn = nil, nil // a driver that panics in COMMIT leaves conn locked: not closed then
+		err := tx.Commit()
+		c.conn = conn
+		return err
 	case b.Rollback:
 		return c.Close(ctx)
 	}

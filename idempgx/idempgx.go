@@ -10,16 +10,11 @@
 // database/sql needs 5.
 //
 //	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-//	...
-//	if err := idempgx.Migrate(ctx, pool, ""); err != nil { ... }
+//	err = idempgx.Migrate(ctx, pool, "")
 //	mw, err := idempgx.New(pool, idem.Options{KeyFunc: idem.Stripe(secret)})
-//	...
 //	mux.Handle("POST /webhooks/stripe", mw.Handler(handler))
-//
-// In the handler:
-//
+//	// in the handler:
 //	tx, ok := idempgx.Tx(r.Context())
-//	if !ok { ... }
 //	_, err := queries.WithTx(tx).RecordPayment(ctx, ...)
 package idempgx
 
