@@ -64,29 +64,32 @@ type releaseData struct {
 	Error string
 }
 
-func (h *Handler) confirmRelease(w http.ResponseWriter, r *http.Request) {
-	k := idem.Key{Source: r.FormValue("source"), EventID: r.FormValue("id")}
+// showKey reads k for a release page; nil when it answered instead (not
+// found, or an error).
+func (h *Handler) showKey(w http.ResponseWriter, r *http.Request, k idem.Key) *idemops.KeyInfo {
 	info, err := idemops.ShowKey(r.Context(), h.db, idemops.KeyOptions{Table: h.opts.Table, Key: k})
 	switch {
 	case errors.Is(err, idemops.ErrKeyNotFound):
 		h.render(w, http.StatusNotFound, "key", "Key not found", keyData{Key: k})
-		return
+		return nil
 	case err != nil:
 		h.fail(w, r, err)
-		return
+		return nil
 	}
-	h.render(w, http.StatusOK, "release", "Release a key", releaseData{Key: k, Info: info, Token: h.token(info, time.Now().Add(tokenTTL))})
+	return info
+}
+
+func (h *Handler) confirmRelease(w http.ResponseWriter, r *http.Request) {
+	k := idem.Key{Source: r.FormValue("source"), EventID: r.FormValue("id")}
+	if info := h.showKey(w, r, k); info != nil {
+		h.render(w, http.StatusOK, "release", "Release a key", releaseData{Key: k, Info: info, Token: h.token(info, time.Now().Add(tokenTTL))})
+	}
 }
 
 func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	k := idem.Key{Source: r.PostFormValue("source"), EventID: r.PostFormValue("id")}
-	now, err := idemops.ShowKey(r.Context(), h.db, idemops.KeyOptions{Table: h.opts.Table, Key: k})
-	switch {
-	case errors.Is(err, idemops.ErrKeyNotFound):
-		h.render(w, http.StatusNotFound, "key", "Key not found", keyData{Key: k})
-		return
-	case err != nil:
-		h.fail(w, r, err)
+	now := h.showKey(w, r, k)
+	if now == nil {
 		return
 	}
 	if !h.checkToken(now, r.PostFormValue("token"), time.Now()) {
@@ -100,7 +103,7 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	} else if user, _, ok := r.BasicAuth(); ok {
 		actor = user
 	}
-	_, err = idemops.ForgetKey(r.Context(), h.db, idemops.ForgetOptions{
+	_, err := idemops.ForgetKey(r.Context(), h.db, idemops.ForgetOptions{
 		Table: h.opts.Table, Key: k, Force: r.PostFormValue("force") == "on",
 		Reason: r.PostFormValue("reason"), Actor: actor, Logger: h.log,
 	})
