@@ -12,7 +12,8 @@ import (
 
 // TestGuaranteesNameRealTests keeps docs/guarantees.md honest: every test
 // or fuzz target it (or any other page of the docs, or the README) names as
-// the check of a promise exists in this package or in internal/failover.
+// the check of a promise exists in this package, internal/failover, the
+// command, or one of the modules beside the root.
 func TestGuaranteesNameRealTests(t *testing.T) {
 	t.Parallel()
 	guarantees, err := os.ReadFile("docs/guarantees.md")
@@ -42,6 +43,11 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	providers, err := filepath.Glob("internal/providertest/*_test.go") // the verifying presets against the providers' libraries
 	require.NoError(t, err)
 	files = append(files, providers...)
+	for _, dir := range []string{"cmd/idem", "idemgin", "idemprom", "idemui", "idemgrpc", "internal/browsertest"} { // the command and the modules beside the root
+		more, err := filepath.Glob(dir + "/*_test.go")
+		require.NoError(t, err)
+		files = append(files, more...)
+	}
 	funcs := regexp.MustCompile(`(?m)^func ((?:Test|Fuzz)[A-Za-z0-9_]+)\(`)
 	for _, f := range files {
 		b, err := os.ReadFile(f)
