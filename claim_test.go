@@ -20,15 +20,9 @@ import (
 // race the primary key settles can only show up with two connections.
 func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	t.Parallel()
-	db := openTestDB(t)
-	tbl, err := parseTable(newTestTable(t, db))
-	require.NoError(t, err)
-	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), nil)
-	require.NoError(t, err)
-	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_91f2"}
-	digest := sha256.Sum256([]byte(`{"order_id":"o1"}`))
-	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
+	_, _, d, args := claimStore(t, nil, k, `{"order_id":"o1"}`)
+	ctx := context.Background()
 
 	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
@@ -51,7 +45,7 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 	assert.Equal(t, driver.Completed, done.Row.State, "and its answer is there")
 	assert.Equal(t, []byte(`{"status":"recorded"}`), done.Row.Body)
 	assert.Equal(t, 200, done.Row.Status)
-	assert.Equal(t, digest[:], done.Row.Digest)
+	assert.Equal(t, args.Digest, done.Row.Digest)
 }
 
 // The snapshot trap of DESIGN-NOTES: a statement that waited for a
@@ -59,15 +53,9 @@ func TestOnlyOneOfTwoConcurrentClaimsWins(t *testing.T) {
 // reads with a new statement after the wait, which does.
 func TestLookupAfterTheWaitSeesTheCommittedRow(t *testing.T) {
 	t.Parallel()
-	db := openTestDB(t)
-	tbl, err := parseTable(newTestTable(t, db))
-	require.NoError(t, err)
-	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	require.NoError(t, err)
-	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_wait"}
-	digest := sha256.Sum256([]byte("x"))
-	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
+	_, _, d, args := claimStore(t, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, k, "x")
+	ctx := context.Background()
 
 	begun, err := d.Begin(ctx, args)
 	require.NoError(t, err)
@@ -116,15 +104,9 @@ func TestLockIDIgnoresHowTheTableIsSpelled(t *testing.T) {
 // layout, and changes nothing once another delivery took the key over.
 func TestExtendLeaseMovesOnlyItsOwnTokensLease(t *testing.T) {
 	t.Parallel()
-	db := openTestDB(t)
-	tbl, err := parseTable(newTestTable(t, db))
-	require.NoError(t, err)
-	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), nil)
-	require.NoError(t, err)
-	ctx := context.Background()
 	k := Key{Source: "acme", EventID: "evt_heartbeat"}
-	digest := sha256.Sum256([]byte("x"))
-	args := &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
+	db, tbl, d, args := claimStore(t, nil, k, "x")
+	ctx := context.Background()
 	l, err := d.ClaimLease(ctx, args, time.Second, time.Second, 42)
 	require.NoError(t, err)
 	require.True(t, l.Won)
@@ -142,4 +124,18 @@ func TestExtendLeaseMovesOnlyItsOwnTokensLease(t *testing.T) {
 
 	require.ErrorIs(t, d.ExtendLease(ctx, args, 43, 2*time.Hour), driver.ErrFenced, "another token extends nothing")
 	assert.Equal(t, left.Round(time.Minute), leaseLeft().Round(time.Minute))
+}
+
+// claimStore is a test's own table, the claims on it through the
+// database/sql adapter with opts, and the args of key k's claim with the
+// digest of body.
+func claimStore(t *testing.T, opts *sql.TxOptions, k Key, body string) (*sql.DB, table, *claims.Store, *driver.Args) {
+	t.Helper()
+	db := openTestDB(t)
+	tbl, err := parseTable(newTestTable(t, db))
+	require.NoError(t, err)
+	d, err := claims.New(sqlPool{db}, driver.NewQueries(tbl.Quoted), opts)
+	require.NoError(t, err)
+	digest := sha256.Sum256([]byte(body))
+	return db, tbl, d, &driver.Args{Source: k.Source, EventID: k.EventID, Digest: digest[:], Lock: tbl.lockID(k)}
 }

@@ -471,26 +471,7 @@ func TestOperationsKnowLeases(t *testing.T) {
 // redelivery, reported by check), never released to run again.
 func TestLeaseHandlerEndingItsTransactionKeepsTheKey(t *testing.T) {
 	t.Parallel()
-	var f *fixture
-	f = newFixture(t, idem.Options{Lease: 10 * time.Second}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := txFrom(r.Context())
-		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
-		assert.NoError(t, err)
-		if tx.s != nil {
-			assert.NoError(t, tx.s.Commit())
-		} else {
-			_, err = tx.p.Conn().Exec(r.Context(), "COMMIT") // around the handle's refusal
-			assert.NoError(t, err)
-		}
-		_, _ = w.Write([]byte("ok"))
-	}))
-	assert.Equal(t, http.StatusInternalServerError, f.post("evt_1", "{}").status)
-	assert.Equal(t, http.StatusConflict, f.post("evt_1", "{}").status, "not run again")
-	assert.Equal(t, 1, f.ledgerRows())
-	assert.Equal(t, int64(1), f.runs.Load())
-	r, err := idemops.Check(context.Background(), f.db, idemops.CheckOptions{Table: f.table})
-	require.NoError(t, err)
-	assert.Equal(t, int64(1), r.Unanswered, "reported for an operator")
+	handlerEndingItsTransactionKeepsTheKey(t, idem.Options{Lease: 10 * time.Second})
 }
 
 // In single-transaction mode too, a handler that commits the middleware's
@@ -499,15 +480,24 @@ func TestLeaseHandlerEndingItsTransactionKeepsTheKey(t *testing.T) {
 // answer) leaves its key claimed without an answer: never run again.
 func TestHandlerCommittingItselfIsNeverRunAgain(t *testing.T) {
 	t.Parallel()
+	handlerEndingItsTransactionKeepsTheKey(t, idem.Options{})
+}
+
+// handlerEndingItsTransactionKeepsTheKey: a handler that writes and then
+// commits the middleware's transaction itself (the *sql.Tx's Commit, or a
+// raw COMMIT around idempgx's refusing handle) is answered 500, and its key
+// is kept claimed without an answer: 409 to the redelivery, which does not
+// run, and reported by check.
+func handlerEndingItsTransactionKeepsTheKey(t *testing.T, opts idem.Options) {
 	var f *fixture
-	f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	f = newFixture(t, opts, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, _ := txFrom(r.Context())
 		_, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'x')`)
 		assert.NoError(t, err)
 		if tx.s != nil {
 			assert.NoError(t, tx.s.Commit())
 		} else {
-			_, err = tx.p.Conn().Exec(r.Context(), "COMMIT")
+			_, err = tx.p.Conn().Exec(r.Context(), "COMMIT") // around the handle's refusal
 			assert.NoError(t, err)
 		}
 		_, _ = w.Write([]byte("ok"))
