@@ -49,11 +49,7 @@ func (x *exchange) send(status int, body []byte) {
 func (x *exchange) fail(o Outcome, p *Problem) {
 	p.Key = x.obs.Key
 	if x.call == nil && p.retryable() {
-		retry := x.m.retryAfter
-		if p.retryAfter != "" {
-			retry = p.retryAfter
-		}
-		x.w.Header().Set("Retry-After", retry)
+		x.w.Header().Set("Retry-After", x.m.retryAfterHeader(p))
 	}
 	x.obs.Outcome, x.obs.Status, x.obs.Err = o, p.Status, p.Err
 	level := slog.LevelInfo
@@ -65,6 +61,9 @@ func (x *exchange) fail(o Outcome, p *Problem) {
 	x.observe()
 	if x.call != nil {
 		x.call.err = p.Err
+		if Retryable(p.Err) {
+			x.call.res.RetryAfter = max(x.m.retryAfterMin, p.leaseLeft)
+		}
 		return
 	}
 	x.m.errorHandler(x.w, x.r, p)

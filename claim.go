@@ -159,7 +159,7 @@ func (m *Middleware) answerStored(res claimResult, row driver.Row, digest []byte
 	case row.State == driver.LeaseLive:
 		// A lease-mode original is running.
 		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
-		res.problem.retryAfter = m.leaseRetryAfter(row.LeaseLeft)
+		res.problem.leaseLeft = row.LeaseLeft
 	case row.State == driver.LeaseExpired || row.State == driver.TakingOver:
 		// Its lease ran out while another claim held the key's lock.
 		res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight

@@ -19,6 +19,14 @@ type Result struct {
 	Value []byte
 	// Replayed: fn did not run; Value is the stored one.
 	Replayed bool
+	// RetryAfter is set when Do fails with an error Retryable reports
+	// true for, other than fn's own: how long to wait before a redelivery
+	// is likely to find the key free. For a key whose lease-mode original
+	// is running, its lease's time left (the original may finish sooner);
+	// otherwise Options.RetryAfter. A consumer can hold the message that
+	// long (not acked, kept alive) and then retry once, instead of
+	// spending the broker's redelivery budget on a key that is in flight.
+	RetryAfter time.Duration
 }
 
 // Do runs fn at most once to completion for key, with payload's SHA-256 as
@@ -76,12 +84,12 @@ func (m *Middleware) Do(ctx context.Context, key Key, payload []byte, fn func(ct
 			err = fmt.Errorf("%w: %s", ErrInvalidKey, strings.TrimPrefix(err.Error(), ErrNoKey.Error()+": "))
 		}
 		x.fail(OutcomeRejected, problemFor(err))
-		return Result{}, x.call.err
+		return x.call.res, x.call.err
 	}
 	x.obs.Key = key
 	if int64(len(payload)) > m.maxBody {
 		x.fail(OutcomeRejected, problemFor(ErrBodyTooLarge))
-		return Result{}, x.call.err
+		return x.call.res, x.call.err
 	}
 	m.deliver(ctx, x, key)
 	return x.call.res, x.call.err

@@ -287,9 +287,10 @@ func TestDoInFlight(t *testing.T) {
 			orig := doAsync(origMW, doKey("evt_1"), "{}", f.heldLedgerFn("evt_1", g, nil))
 			<-g.entered
 
-			_, err := short.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+			res, err := short.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
 			require.ErrorIs(t, err, idem.ErrInFlight)
 			assert.True(t, idem.Retryable(err))
+			assert.Equal(t, time.Second, res.RetryAfter, "Options.RetryAfter's default")
 
 			waiter := doAsync(long, doKey("evt_1"), "{}", f.ledgerFn("evt_1"))
 			waitForWaitersOn(t, f, long, "evt_1", 1)
@@ -344,11 +345,13 @@ func TestDoInFlight(t *testing.T) {
 		other, _ := f.serveOn(f.db, idem.Options{Lease: 20 * time.Second, LockWait: time.Minute})
 		orig := doAsync(f.mw, doKey("evt_1"), "{}", f.heldLedgerFn("evt_1", g, nil))
 		<-g.entered
-		_, err := other.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+		res, err := other.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
 		require.ErrorIs(t, err, idem.ErrInFlight, "at once, however long LockWait")
+		assert.Greater(t, res.RetryAfter, 15*time.Second, "the lease's time left, not Options.RetryAfter")
+		assert.LessOrEqual(t, res.RetryAfter, 20*time.Second)
 		g.open()
 		require.NoError(t, (<-orig).err)
-		res, err := other.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+		res, err = other.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
 		require.NoError(t, err)
 		assert.True(t, res.Replayed)
 		assert.Equal(t, 1, f.ledgerRows())
@@ -401,7 +404,7 @@ func TestDoLeaseFencesALateOriginal(t *testing.T) {
 	late := <-orig
 	require.ErrorIs(t, late.err, idem.ErrLeaseExpired)
 	assert.True(t, idem.Retryable(late.err))
-	assert.Zero(t, late.res)
+	assert.Equal(t, idem.Result{RetryAfter: time.Second}, late.res, "no value; Options.RetryAfter to wait")
 	assert.Equal(t, 1, f.ledgerRows(), "the original's write rolled back")
 	res, err := f.mw.Do(context.Background(), doKey("evt_z"), []byte("{}"), f.ledgerFn("evt_z"))
 	require.NoError(t, err)

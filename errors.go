@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
+	"time"
 )
 
 // Errors the middleware reports, through Problem.Err, Observation.Err and
@@ -111,7 +112,7 @@ type Problem struct {
 	Key    Key    // the request's key, when it was extracted
 	Err    error  // the cause; wraps one of the Err* values above
 
-	retryAfter string // Retry-After, when not Options.RetryAfter's
+	leaseLeft time.Duration // for a duplicate of a lease-mode original: its lease's time left
 }
 
 // Problem type URIs, one per kind of answer.

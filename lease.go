@@ -20,12 +20,15 @@ import (
 // the retry then gets its answer.
 const maxLeaseRetryAfter = time.Minute
 
-// leaseRetryAfter is Retry-After for a duplicate of a key whose lease has
-// left to run: that time, in whole seconds rounded up, at least
-// Options.RetryAfter and at most maxLeaseRetryAfter (or Options.RetryAfter,
-// if that is longer).
-func (m *Middleware) leaseRetryAfter(left time.Duration) string {
-	return seconds(max(m.retryAfterMin, min(left, maxLeaseRetryAfter)))
+// retryAfterHeader is Retry-After for a retryable problem: Options.RetryAfter,
+// or, for a duplicate of a key whose lease has left to run, that time, in
+// whole seconds rounded up, at least Options.RetryAfter and at most
+// maxLeaseRetryAfter (or Options.RetryAfter, if that is longer).
+func (m *Middleware) retryAfterHeader(p *Problem) string {
+	if p.leaseLeft <= 0 {
+		return m.retryAfter
+	}
+	return seconds(max(m.retryAfterMin, min(p.leaseLeft, maxLeaseRetryAfter)))
 }
 
 // seconds renders d as Retry-After does: whole seconds, rounded up.
