@@ -53,7 +53,7 @@ together "partitioned tables, database/sql adapter" partitioned sql ./idemops \
 
 modules=("every benchmark once" benchmarks --)
 [ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
-for m in idemgin idemprom idemui idemgrpc; do
+for m in idemgin idemprom idemui idemgrpc idemotel idemnats idemrabbitmq idemwatermill; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
 # The verifying presets against the providers' own signing libraries
