@@ -240,6 +240,7 @@ func settled(t *testing.T, cons jetstream.Consumer) func() bool {
 }
 
 func TestCrashMidHandlerBeforeCommitRunsAgainInAnotherProcess(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{MaxDeliver: 5})
@@ -257,6 +258,7 @@ func TestCrashMidHandlerBeforeCommitRunsAgainInAnotherProcess(t *testing.T) {
 }
 
 func TestCrashAfterCommitBeforeAckIsAReplayInAnotherProcess(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{MaxDeliver: 5})
@@ -273,6 +275,7 @@ func TestCrashAfterCommitBeforeAckIsAReplayInAnotherProcess(t *testing.T) {
 }
 
 func TestAnInFlightOriginalDoesNotSpendTheDeliveryBudget(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		// The original takes the key under a 3s lease and dies; its
 		// redelivery (the last MaxDeliver allows) meets the live lease,
@@ -296,6 +299,7 @@ func TestAnInFlightOriginalDoesNotSpendTheDeliveryBudget(t *testing.T) {
 }
 
 func TestStormEveryMessageOnceAcrossThreeConsumersAndACrash(t *testing.T) {
+	t.Parallel()
 	const messages, copies = 1000, 3
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})

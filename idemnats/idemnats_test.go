@@ -15,6 +15,7 @@ import (
 )
 
 func TestNewMessageIsAckedAfterCommitAndARedeliveryIsReplayed(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{})
@@ -52,6 +53,7 @@ func TestNewMessageIsAckedAfterCommitAndARedeliveryIsReplayed(t *testing.T) {
 }
 
 func TestAMessageWithoutMsgIDIsKeyedByStreamSequence(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{})
@@ -72,6 +74,7 @@ func TestAMessageWithoutMsgIDIsKeyedByStreamSequence(t *testing.T) {
 }
 
 func TestAPayloadMismatchIsTerminatedAndLogged(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{})
@@ -92,6 +95,7 @@ func TestAPayloadMismatchIsTerminatedAndLogged(t *testing.T) {
 }
 
 func TestAHandlerErrorOrPanicIsRolledBackAndNakedWithADelay(t *testing.T) {
+	t.Parallel()
 	for _, how := range []string{"error", "panic"} {
 		t.Run(how, func(t *testing.T) {
 			forAdapters(t, func(t *testing.T, adapter string) {
@@ -136,6 +140,7 @@ func TestAHandlerErrorOrPanicIsRolledBackAndNakedWithADelay(t *testing.T) {
 }
 
 func TestBadInputIsTerminatedLoggedAndNothingIsWritten(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		name, id string
 		body     []byte
@@ -166,6 +171,7 @@ func TestBadInputIsTerminatedLoggedAndNothingIsWritten(t *testing.T) {
 }
 
 func TestAMessageOlderThanTheRetentionIsTerminatedWithoutRunning(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t, "database/sql", idem.Options{})
 	cons := w.consumer(jetstream.ConsumerConfig{})
 	c := w.handler(cons, nil, idemnats.WithRetention(time.Nanosecond))
@@ -179,6 +185,7 @@ func TestAMessageOlderThanTheRetentionIsTerminatedWithoutRunning(t *testing.T) {
 }
 
 func TestNewRefusesAConsumerThatCannotKeepKeys(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t, "database/sql", idem.Options{})
 	ctx := t.Context()
 	eph, err := js.CreateOrUpdateConsumer(ctx, w.stream, jetstream.ConsumerConfig{})
@@ -206,6 +213,7 @@ func TestNewRefusesAConsumerThatCannotKeepKeys(t *testing.T) {
 }
 
 func TestAHandlerLongerThanAckWaitKeepsItsMessage(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{AckWait: 500 * time.Millisecond})
@@ -227,6 +235,7 @@ func TestAHandlerLongerThanAckWaitKeepsItsMessage(t *testing.T) {
 }
 
 func TestLeaseModeHeartbeatExtendsTheLeaseWithInProgress(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{Lease: 1200 * time.Millisecond, HandlerTimeout: 20 * time.Second, LockWait: -1})
 		cons := w.consumer(jetstream.ConsumerConfig{AckWait: 600 * time.Millisecond})
