@@ -54,14 +54,20 @@ func (h *heartbeat) tick() {
 	h.t.Reset(h.c.heartbeat)
 }
 
-// running records the handler's context while it runs (ctx), and its end
-// (nil).
-func (h *heartbeat) running(ctx context.Context) {
+// enter records the running handler's context, for ExtendLease.
+func (h *heartbeat) enter(ctx context.Context) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if !h.unleased {
 		h.fnCtx = ctx
 	}
+}
+
+// leave records the handler's end: no more lease to extend.
+func (h *heartbeat) leave() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.fnCtx = nil
 }
 
 // stop ends the beats; a beat under way finishes first. It may be called

@@ -266,8 +266,8 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 	hb := c.beat(msg)
 	defer hb.stop()
 	fn := func(ctx context.Context) ([]byte, error) {
-		hb.running(ctx)
-		defer hb.running(nil)
+		hb.enter(ctx)
+		defer hb.leave()
 		return nil, c.call(ctx, msg)
 	}
 	payload := c.digest(msg)

@@ -217,7 +217,6 @@ func TestAHandlerLongerThanAckWaitKeepsItsMessage(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{})
 		cons := w.consumer(jetstream.ConsumerConfig{AckWait: 500 * time.Millisecond})
-		c := w.handler(cons, nil)
 		w.publish("slow", []byte("x"))
 		m := &spy{Msg: next(t, cons), inProgress: make(chan struct{}, 1)}
 		slow := func(ctx context.Context, msg jetstream.Msg) error {
@@ -226,7 +225,7 @@ func TestAHandlerLongerThanAckWaitKeepsItsMessage(t *testing.T) {
 			}
 			return w.write(ctx, msg)
 		}
-		c = w.handler(cons, slow)
+		c := w.handler(cons, slow)
 		require.NoError(t, c.HandleContext(t.Context(), m))
 		assert.Zero(t, info(t, cons).NumRedelivered, "the message was not redelivered while its handler ran")
 		eventually(t, "the message acked", settled(t, cons))
