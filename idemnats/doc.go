@@ -13,7 +13,7 @@
 //
 // cons must be a durable consumer with AckExplicit. A message's key is its
 // Nats-Msg-Id header, or its stream and stream sequence, under the source
-// "nats/<stream>/<durable>"; a redelivery, to this process or another, of
+// "nats:<stream>/<durable>"; a redelivery, to this process or another, of
 // a message whose handler committed is acked without running it again.
 //
 // What each outcome of idem.Middleware.Do makes of the message:

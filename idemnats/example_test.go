@@ -66,7 +66,7 @@ func Example() {
 	_ = db.QueryRowContext(ctx, `SELECT count(*) FROM example_shipments`).Scan(&n)
 	fmt.Println("shipments:", n)
 	// Output:
-	// nats/IDEMNATS_EXAMPLE/shipper order-1
+	// nats:IDEMNATS_EXAMPLE/shipper order-1
 	// acked: true
 	// shipments: 1
 }

@@ -22,6 +22,10 @@ import (
 // another delay.
 const DefaultRetryDelay = time.Second
 
+// SourcePrefix is what Key.Source starts with, after WithSourcePrefix's
+// prefix: the source is "nats:<stream>/<durable consumer name>".
+const SourcePrefix = "nats:"
+
 // ErrConsumer is the error New returns for a consumer idem cannot serve: an
 // ephemeral one (no durable name), or one whose ack policy is not
 // AckExplicit.
@@ -56,9 +60,10 @@ type config struct {
 	heartbeat  time.Duration
 }
 
-// WithSourcePrefix puts prefix and a slash before the derived source of
-// every key (see New), to keep apart two applications that share a table,
-// stream and consumer name. An empty prefix (the default) adds nothing.
+// WithSourcePrefix puts prefix before the derived source of every key
+// ("eu/" makes it "eu/nats:ORDERS/shipper"; see New): for streams of the
+// same name on two NATS systems sharing one table. An empty prefix (the
+// default) adds nothing.
 func WithSourcePrefix(prefix string) Option {
 	return func(c *config) { c.prefix = prefix }
 }
@@ -79,7 +84,7 @@ func WithDigest(f func(msg jetstream.Msg) []byte) Option {
 // stream's own timestamp) may have had its key swept from the table, so
 // running it again could repeat its effect. Set it to the table's sweep
 // retention (idemops.SweepOptions.Retention). 0 means
-// idemops.DefaultRetention.
+// idemops.DefaultRetention (30 days); a negative d turns the check off.
 func WithRetention(d time.Duration) Option {
 	return func(c *config) { c.retention = d }
 }
@@ -122,8 +127,8 @@ type Consumer struct {
 // one process to the next, so a redelivery to another process would be
 // keyed under another source and run again.
 //
-// Each message's key is: Source "nats/<stream>/<durable name>" (after
-// WithSourcePrefix's prefix and a slash, if set); EventID the message's
+// Each message's key is: Source "nats:<stream>/<durable name>" (after
+// WithSourcePrefix's prefix, if set); EventID the message's
 // Nats-Msg-Id header (the publisher's id, which JetStream also dedups
 // within the stream's duplicate window) when present and not empty,
 // otherwise "<stream>:<stream sequence>", which stays the same across
@@ -155,14 +160,11 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 		return nil, fmt.Errorf("%w: consumer %q on stream %q is ephemeral: its name changes from one process to the next, so a redelivery to another process would run again; create it with a Durable name", ErrConsumer, info.Name, info.Stream)
 	case info.Config.AckPolicy != jetstream.AckExplicitPolicy:
 		return nil, fmt.Errorf("%w: consumer %q has ack policy %s; idem acks each message after its commit and needs AckExplicit", ErrConsumer, info.Name, info.Config.AckPolicy)
-	case c.retention < 0 || c.retryDelay < 0 || c.heartbeat < 0:
+	case c.retryDelay < 0 || c.heartbeat < 0:
 		return nil, errors.New("idemnats: durations must not be negative")
 	}
 	c.stream = info.Stream
-	c.source = "nats/" + info.Stream + "/" + info.Config.Durable
-	if c.prefix != "" {
-		c.source = c.prefix + "/" + c.source
-	}
+	c.source = c.prefix + SourcePrefix + info.Stream + "/" + info.Config.Durable
 	if err := validSource(c.source); err != nil {
 		return nil, err
 	}
@@ -257,7 +259,7 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		c.logger.ErrorContext(ctx, "idemnats: not a JetStream message; left unanswered", "subject", msg.Subject(), "err", err)
 		return err
 	}
-	if age := time.Since(meta.Timestamp); age > c.retention {
+	if age := time.Since(meta.Timestamp); c.retention > 0 && age > c.retention {
 		err := fmt.Errorf("%w: stored %v ago, retention %v", ErrTooOld, age.Round(time.Second), c.retention)
 		c.term(ctx, msg, meta, idem.Key{}, err)
 		return err

@@ -65,7 +65,7 @@ func TestAMessageWithoutMsgIDIsKeyedByStreamSequence(t *testing.T) {
 			m := next(t, cons)
 			key, err := c.Key(m)
 			require.NoError(t, err)
-			assert.Equal(t, idem.Key{Source: "nats/" + w.stream + "/worker", EventID: w.stream + ":" + itoa(want)}, key)
+			assert.Equal(t, idem.Key{Source: "nats:" + w.stream + "/worker", EventID: w.stream + ":" + itoa(want)}, key)
 			require.NoError(t, c.HandleContext(t.Context(), m))
 		}
 		assert.Equal(t, 2, w.count(w.ledger, ""))
@@ -207,9 +207,9 @@ func TestNewRefusesAConsumerThatCannotKeepKeys(t *testing.T) {
 	ok := w.consumer(jetstream.ConsumerConfig{Durable: "ok", MaxDeliver: 3})
 	_, err = idemnats.New(w.mw, ok, w.write, idemnats.WithSourcePrefix("bad\nprefix"))
 	require.Error(t, err)
-	c, err := idemnats.New(w.mw, ok, w.write, idemnats.WithSourcePrefix("billing"))
+	c, err := idemnats.New(w.mw, ok, w.write, idemnats.WithSourcePrefix("billing/"))
 	require.NoError(t, err)
-	assert.Equal(t, "billing/nats/"+w.stream+"/ok", c.Source())
+	assert.Equal(t, "billing/nats:"+w.stream+"/ok", c.Source())
 }
 
 func TestAHandlerLongerThanAckWaitKeepsItsMessage(t *testing.T) {
