@@ -31,9 +31,9 @@ const SourcePrefix = "nats:"
 // AckExplicit.
 var ErrConsumer = errors.New("idemnats: unusable consumer")
 
-// ErrTooOld wraps the error HandleContext returns for a message stored in
-// its stream longer ago than the retention (WithRetention): it was
-// terminated without running, since its key may have been swept.
+// ErrTooOld is wrapped by the error HandleContext returns for a message
+// stored in its stream longer ago than the retention (WithRetention): it
+// was terminated without running, since its key may have been swept.
 var ErrTooOld = errors.New("idemnats: message older than the retention")
 
 // Handler is the user's function: it runs at most once to completion per
@@ -293,7 +293,9 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 			c.logger.WarnContext(ctx, "idemnats: ack failed after commit; the message will be redelivered and replayed", c.attrs(meta, key, "err", ackErr)...)
 			return ackErr
 		}
-		c.logger.DebugContext(ctx, "idemnats: acked", c.attrs(meta, key, "replayed", res.Replayed)...)
+		if c.logger.Enabled(ctx, slog.LevelDebug) { // the common path: no attributes built for nothing
+			c.logger.DebugContext(ctx, "idemnats: acked", c.attrs(meta, key, "replayed", res.Replayed)...)
+		}
 		return nil
 	case errors.As(err, &herr):
 		c.nak(ctx, msg, meta, key, c.retryDelay, err)
