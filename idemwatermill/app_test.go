@@ -114,7 +114,7 @@ func kill() {
 // on ns.in, its messages published to ns.out, the poison queue ns.poison
 // taking idemwatermill's permanent errors. The caller runs and closes it;
 // closers are closed after it.
-func newRouter(a *app, mw *idem.Middleware, quorum bool, opts ...idemwatermill.Option) (r *message.Router, closers []func() error, err error) {
+func newRouter(a *app, mw *idem.Middleware, quorum bool, wlog watermill.LoggerAdapter, opts ...idemwatermill.Option) (r *message.Router, closers []func() error, err error) {
 	defer func() {
 		if err != nil {
 			for _, c := range closers {
@@ -122,12 +122,12 @@ func newRouter(a *app, mw *idem.Middleware, quorum bool, opts ...idemwatermill.O
 			}
 		}
 	}()
-	pub, err := wamqp.NewPublisher(amqpConfig(nil), quiet)
+	pub, err := wamqp.NewPublisher(amqpConfig(nil), wlog)
 	if err != nil {
 		return nil, nil, err
 	}
 	closers = append(closers, pub.Close)
-	sub, err := wamqp.NewSubscriber(amqpConfig(inArgs(quorum, a.ns.dead)), quiet)
+	sub, err := wamqp.NewSubscriber(amqpConfig(inArgs(quorum, a.ns.dead)), wlog)
 	if err != nil {
 		return nil, closers, err
 	}
@@ -140,7 +140,7 @@ func newRouter(a *app, mw *idem.Middleware, quorum bool, opts ...idemwatermill.O
 	if err != nil {
 		return nil, closers, err
 	}
-	r, err = message.NewRouter(message.RouterConfig{}, quiet)
+	r, err = message.NewRouter(message.RouterConfig{}, wlog)
 	if err != nil {
 		return nil, closers, err
 	}

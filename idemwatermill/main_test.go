@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
@@ -177,8 +178,27 @@ func inArgs(quorum bool, dead string) amqp.Table {
 func amqpConfig(args amqp.Table) wamqp.Config {
 	c := wamqp.NewDurableQueueConfig(amqpURL)
 	c.Queue.Arguments = args
+	c.Marshaler = headerMarshaler{}
 	c.Publish.ConfirmDelivery = true
 	return c
+}
+
+// headerMarshaler is watermill-amqp's DefaultMarshaler for any headers: a
+// quorum queue's redelivery carries x-delivery-count, a number, which
+// DefaultMarshaler refuses (metadata are strings) and nacks, spending the
+// delivery budget. Headers that are not strings become their text.
+type headerMarshaler struct{ wamqp.DefaultMarshaler }
+
+func (m headerMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	h := make(amqp.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		if _, ok := v.(string); !ok {
+			v = fmt.Sprint(v)
+		}
+		h[k] = v
+	}
+	d.Headers = h
+	return m.DefaultMarshaler.Unmarshal(d)
 }
 
 // count is the number of rows of table matching where (true if empty).
@@ -249,7 +269,7 @@ func (w *watcher) next(what string) delivery {
 	select {
 	case d := <-w.ds:
 		return d
-	case <-time.After(90 * time.Second):
+	case <-time.After(20 * time.Second):
 		w.t.Fatalf("no message on the %s queue within 90s", what)
 		return delivery{}
 	}
@@ -331,7 +351,7 @@ func (l *logs) has(parts ...string) bool {
 }
 
 func (l *logs) logger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }
 
 // quiet is watermill's logger in the tests.

@@ -14,7 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemwatermill"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -89,7 +91,7 @@ func runConsumer(c consumer) error {
 		return err
 	}
 	a := &app{db: d, ns: c.ns, crash: c.crash}
-	r, rclosers, err := newRouter(a, mw, c.quorum)
+	r, rclosers, err := newRouter(a, mw, c.quorum, watermill.NewSlogLogger(l.logger()), idemwatermill.WithLogger(l.logger()))
 	if err != nil {
 		return err
 	}
@@ -109,6 +111,9 @@ func start(t *testing.T, c consumer, out *logs) *exec.Cmd {
 	cmd.Stderr = out
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer %d's log:\n%s", cmd.Process.Pid, out.String())
+		}
 		if cmd.ProcessState == nil {
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()
