@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
@@ -111,6 +111,7 @@ func newMiddleware(ctx context.Context, adapter, url string, opts idem.Options, 
 	if err != nil {
 		return nil, err
 	}
+	d.SetMaxOpenConns(10)
 	cleanup(func() { d.Close() })
 	return idem.New(d, opts)
 }

@@ -169,7 +169,7 @@ func TestCrashedConsumer(t *testing.T) {
 
 				assert.Equal(t, 1, count(t, ns.ledger, "event_id = 'order-1'"), "ledger rows")
 				var produced []string
-				rows, err := db.Query(`SELECT produced FROM ` + ns.runs + ` ORDER BY pid = $1 DESC`, first.Process.Pid)
+				rows, err := db.Query(`SELECT produced FROM `+ns.runs+` ORDER BY pid = $1 DESC`, first.Process.Pid)
 				require.NoError(t, err)
 				for rows.Next() {
 					var p string
