@@ -163,9 +163,9 @@ func WithLogger(l *slog.Logger) Option { return func(c *config) { c.logger = l }
 // wraps once per key, inside mw.Do (see the package doc). Add it with
 // Router.AddMiddleware or a handler's AddMiddleware, after (inside) the
 // PoisonQueue middleware that should take its permanent errors, and after
-// any Retry middleware (a retry inside it would run in a transaction that a
-// failed attempt has aborted). It fails for a nil mw or a nil function
-// option.
+// (inside) a Retry middleware if there is one, so that each attempt is a
+// call of Do with a transaction of its own (give Retry a ShouldRetry that
+// refuses IsPermanent errors). It fails for a nil mw or a nil Option.
 func Middleware(mw *idem.Middleware, opts ...Option) (message.HandlerMiddleware, error) {
 	if mw == nil {
 		return nil, errors.New("idemwatermill: Middleware needs an *idem.Middleware")
