@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -112,9 +113,10 @@ func kill() {
 
 // newRouter builds the consumer's router on RabbitMQ: the handler "ledger"
 // on ns.in, its messages published to ns.out, the poison queue ns.poison
-// taking idemwatermill's permanent errors. The caller runs and closes it;
-// closers are closed after it.
-func newRouter(a *app, mw *idem.Middleware, quorum bool, wlog watermill.LoggerAdapter, opts ...idemwatermill.Option) (r *message.Router, closers []func() error, err error) {
+// taking idemwatermill's permanent errors. With handlers > 1, that many
+// handlers "ledger-<i>" compete for ns.in, sharing their keys (WithSource).
+// The caller runs and closes it; closers are closed after it.
+func newRouter(a *app, mw *idem.Middleware, quorum bool, handlers int, wlog watermill.LoggerAdapter, opts ...idemwatermill.Option) (r *message.Router, closers []func() error, err error) {
 	defer func() {
 		if err != nil {
 			for _, c := range closers {
@@ -136,6 +138,9 @@ func newRouter(a *app, mw *idem.Middleware, quorum bool, wlog watermill.LoggerAd
 	if err != nil {
 		return nil, closers, err
 	}
+	if handlers > 1 {
+		opts = append(opts, idemwatermill.WithSource("ledger"))
+	}
 	exactlyOnce, err := idemwatermill.Middleware(mw, opts...)
 	if err != nil {
 		return nil, closers, err
@@ -145,6 +150,12 @@ func newRouter(a *app, mw *idem.Middleware, quorum bool, wlog watermill.LoggerAd
 		return nil, closers, err
 	}
 	r.AddMiddleware(poison, a.afterCommit, exactlyOnce)
-	r.AddHandler("ledger", a.ns.in, sub, a.ns.out, pub, a.handle)
+	if handlers <= 1 {
+		r.AddHandler("ledger", a.ns.in, sub, a.ns.out, pub, a.handle)
+	} else {
+		for i := range handlers {
+			r.AddHandler(fmt.Sprintf("ledger-%d", i), a.ns.in, sub, a.ns.out, pub, a.handle)
+		}
+	}
 	return r, closers, nil
 }

@@ -54,7 +54,8 @@ import (
 )
 
 // SourcePrefix is what Key.Source starts with, before the handler's name
-// (and after the prefix of WithSourcePrefix): "watermill:<handler name>".
+// or WithSource's (and after the prefix of WithSourcePrefix):
+// "watermill:<handler name>".
 const SourcePrefix = "watermill:"
 
 // PublishedAtKey is the metadata entry that WithRetention reads a message's
@@ -112,6 +113,7 @@ type Option func(*config)
 
 type config struct {
 	prefix      string
+	source      string
 	metadataKey string
 	digest      func(*message.Message) []byte
 	retention   time.Duration
@@ -121,10 +123,18 @@ type config struct {
 }
 
 // WithSourcePrefix puts prefix before Key.Source's "watermill:<handler
-// name>", for handlers of the same name in services that share a table, or
-// two consumers of the same messages (a fan-out) that must each process
-// every one.
+// name>", for handlers of the same name in services that share a table and
+// must each process every message.
 func WithSourcePrefix(prefix string) Option { return func(c *config) { c.prefix = prefix } }
+
+// WithSource sets the name that scopes the keys, in place of the handler's
+// name: Key.Source is then "watermill:<name>" (after WithSourcePrefix's
+// prefix). Give it to handlers that compete for the messages of one queue
+// (several handlers of one router on the same queue, for concurrency): they
+// have different names but must share their keys, or a redelivery that
+// reaches another of them would run again. Handlers that must each process
+// every message (a fan-out) keep names of their own.
+func WithSource(name string) Option { return func(c *config) { c.source = name } }
 
 // WithMetadataKey takes the key's EventID from the message's metadata entry
 // name instead of its UUID: for publishers that give a redelivered event a
@@ -213,14 +223,18 @@ func publishedAt(msg *message.Message) (time.Time, bool) {
 	return t, err == nil
 }
 
-// key is the message's key: Source from the handler's name, EventID from
-// the UUID or the metadata entry.
+// key is the message's key: Source from the handler's name (or
+// WithSource), EventID from the UUID or the metadata entry.
 func (c *config) key(msg *message.Message) idem.Key {
 	id := msg.UUID
 	if c.metadataKey != "" {
 		id = msg.Metadata.Get(c.metadataKey)
 	}
-	return idem.Key{Source: c.prefix + SourcePrefix + message.HandlerNameFromCtx(msg.Context()), EventID: id}
+	name := c.source
+	if name == "" {
+		name = message.HandlerNameFromCtx(msg.Context())
+	}
+	return idem.Key{Source: c.prefix + SourcePrefix + name, EventID: id}
 }
 
 // handle is one delivery: the retention check, Do, and on ErrInFlight one

@@ -32,7 +32,7 @@ func newWorld(t *testing.T, adapter string, opts idem.Options, wopts ...idemwate
 	mw, err := newMiddleware(t.Context(), adapter, dbURL, opts, t.Cleanup)
 	require.NoError(t, err)
 	w.outs, w.poisons = watch(t, w.ns.out), watch(t, w.ns.poison)
-	r, closers, err := newRouter(&app{db: db, ns: w.ns}, mw, false, quiet,
+	r, closers, err := newRouter(&app{db: db, ns: w.ns}, mw, false, 1, quiet,
 		append([]idemwatermill.Option{idemwatermill.WithLogger(w.logs.logger())}, wopts...)...)
 	require.NoError(t, err)
 	ran := make(chan error, 1)
@@ -56,6 +56,7 @@ func (w *world) written() [3]int {
 // The outcomes over watermill's AMQP Pub/Sub, on a router with the poison
 // queue (PoisonQueueWithFilter with IsPermanent) outside idem's middleware.
 func TestOutcomesOverAMQP(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, idem.Options{MaxBodyBytes: 4096})
 		in := w.ns.in

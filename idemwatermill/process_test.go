@@ -33,24 +33,29 @@ type consumer struct {
 	crash       string        // "", "before-commit", "after-commit"
 	lease       time.Duration // 0: single-transaction mode
 	quorum      bool          // ns.in is a quorum queue with a delivery limit
+	handlers    int           // handlers competing for ns.in (newRouter)
 }
 
 func (c consumer) encode() string {
 	return strings.Join([]string{c.db, c.adapter, c.ns.table, c.ns.ledger, c.ns.runs, c.ns.in, c.ns.out, c.ns.poison, c.ns.dead,
-		c.crash, c.lease.String(), strconv.FormatBool(c.quorum)}, "|")
+		c.crash, c.lease.String(), strconv.FormatBool(c.quorum), strconv.Itoa(c.handlers)}, "|")
 }
 
 func decodeConsumer(s string) (consumer, error) {
 	f := strings.Split(s, "|")
-	if len(f) != 12 {
+	if len(f) != 13 {
 		return consumer{}, fmt.Errorf("%s: %d fields", helperEnv, len(f))
 	}
 	lease, err := time.ParseDuration(f[10])
 	if err != nil {
 		return consumer{}, err
 	}
+	handlers, err := strconv.Atoi(f[12])
+	if err != nil {
+		return consumer{}, err
+	}
 	return consumer{db: f[0], adapter: f[1], ns: names{table: f[2], ledger: f[3], runs: f[4], in: f[5], out: f[6], poison: f[7], dead: f[8]},
-		crash: f[9], lease: lease, quorum: f[11] == "true"}, nil
+		crash: f[9], lease: lease, quorum: f[11] == "true", handlers: handlers}, nil
 }
 
 // consumerMain is a consumer process: a watermill Router with idem's
@@ -91,7 +96,7 @@ func runConsumer(c consumer) error {
 		return err
 	}
 	a := &app{db: d, ns: c.ns, crash: c.crash}
-	r, rclosers, err := newRouter(a, mw, c.quorum, watermill.NewSlogLogger(l.logger()), idemwatermill.WithLogger(l.logger()))
+	r, rclosers, err := newRouter(a, mw, c.quorum, c.handlers, watermill.NewSlogLogger(l.logger()), idemwatermill.WithLogger(l.logger()))
 	if err != nil {
 		return err
 	}
@@ -149,6 +154,7 @@ func waitKilled(t *testing.T, cmd *exec.Cmd) {
 // does not run again, and the message published is the one the killed run
 // produced, with its UUID.
 func TestCrashedConsumer(t *testing.T) {
+	t.Parallel()
 	for _, crash := range []string{"before-commit", "after-commit"} {
 		t.Run(crash, func(t *testing.T) {
 			t.Parallel()
@@ -204,6 +210,7 @@ func TestCrashedConsumer(t *testing.T) {
 // the key over once the lease ends, and replays the other: nothing is
 // dead-lettered, the ledger row exists once.
 func TestInFlightHeldNotNacked(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		ns := newNames(t, true)
 		outs := watch(t, ns.out)
@@ -231,59 +238,62 @@ func TestInFlightHeldNotNacked(t *testing.T) {
 }
 
 // The storm: 1,000 messages, each published 3 times (two copies one after
-// the other, the third after all the others), to 3 consumer processes.
+// the other, the third after all the others), to 3 consumer processes, each
+// with 3 handlers competing for the queue (sharing their keys: WithSource).
+// The processes use both adapters on the one table (database/sql, pgx,
+// database/sql): the adapters claim keys alike, and each meets the other's
+// claims.
 // Every message's ledger row exists once, its handler ran once, every
 // delivery was acked after publishing the message its key produced (the
 // same UUID three times), and nothing is left on the queues.
 func TestStorm(t *testing.T) {
+	t.Parallel()
 	const messages, copies, consumers = 1000, 3, 3
-	forAdapters(t, func(t *testing.T, adapter string) {
-		ns := newNames(t, false)
-		outs := watch(t, ns.out)
-		c := consumer{db: dbURL, adapter: adapter, ns: ns}
-		var outLogs [consumers]logs
-		var started []*exec.Cmd
-		for i := range consumers {
-			started = append(started, start(t, c, &outLogs[i]))
-		}
-		ch, err := broker.Channel()
-		require.NoError(t, err)
-		for i := range messages {
-			id := fmt.Sprintf("storm-%d", i)
-			publishOn(t, ch, ns.in, id, "storm "+id)
-			publishOn(t, ch, ns.in, id, "storm "+id)
-		}
-		for i := range messages {
-			id := fmt.Sprintf("storm-%d", i)
-			publishOn(t, ch, ns.in, id, "storm "+id)
-		}
-		require.NoError(t, ch.Close())
+	ns := newNames(t, false)
+	outs := watch(t, ns.out)
+	var outLogs [consumers]logs
+	var started []*exec.Cmd
+	for i := range consumers {
+		c := consumer{db: dbURL, adapter: adapters[i%len(adapters)], ns: ns, handlers: 3}
+		started = append(started, start(t, c, &outLogs[i]))
+	}
+	ch, err := broker.Channel()
+	require.NoError(t, err)
+	for i := range messages {
+		id := fmt.Sprintf("storm-%d", i)
+		publishOn(t, ch, ns.in, id, "storm "+id)
+		publishOn(t, ch, ns.in, id, "storm "+id)
+	}
+	for i := range messages {
+		id := fmt.Sprintf("storm-%d", i)
+		publishOn(t, ch, ns.in, id, "storm "+id)
+	}
+	require.NoError(t, ch.Close())
 
-		byEvent := map[string]map[string]int{}
-		for range messages * copies {
-			d := outs.next("output")
-			ev, _ := d.headers["event"].(string)
-			if byEvent[ev] == nil {
-				byEvent[ev] = map[string]int{}
-			}
-			byEvent[ev][d.uuid]++
+	byEvent := map[string]map[string]int{}
+	for range messages * copies {
+		d := outs.next("output")
+		ev, _ := d.headers["event"].(string)
+		if byEvent[ev] == nil {
+			byEvent[ev] = map[string]int{}
 		}
-		for _, cmd := range started {
-			stop(t, cmd)
-		}
+		byEvent[ev][d.uuid]++
+	}
+	for _, cmd := range started {
+		stop(t, cmd)
+	}
 
-		assert.Len(t, byEvent, messages)
-		for ev, uuids := range byEvent {
-			assert.Len(t, uuids, 1, "event %s published under one UUID", ev)
-		}
-		assert.Equal(t, messages, count(t, ns.ledger, ""), "ledger rows")
-		var dup int
-		require.NoError(t, db.QueryRow(`SELECT count(*) FROM (SELECT event_id FROM `+ns.ledger+` GROUP BY 1 HAVING count(*) > 1) d`).Scan(&dup))
-		assert.Zero(t, dup, "events with more than one ledger row")
-		assert.Equal(t, messages, count(t, ns.runs, ""), "handler runs")
-		assert.Equal(t, 0, queued(t, ns.in), "nothing left unacked or unread on the input queue")
-		assert.Empty(t, outs.rest(), "no produced message beyond one per delivery")
-		assert.Equal(t, 0, queued(t, ns.out))
-		assert.Equal(t, 0, queued(t, ns.poison), "nothing poisoned")
-	})
+	assert.Len(t, byEvent, messages)
+	for ev, uuids := range byEvent {
+		assert.Len(t, uuids, 1, "event %s published under one UUID", ev)
+	}
+	assert.Equal(t, messages, count(t, ns.ledger, ""), "ledger rows")
+	var dup int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM (SELECT event_id FROM `+ns.ledger+` GROUP BY 1 HAVING count(*) > 1) d`).Scan(&dup))
+	assert.Zero(t, dup, "events with more than one ledger row")
+	assert.Equal(t, messages, count(t, ns.runs, ""), "handler runs")
+	assert.Equal(t, 0, queued(t, ns.in), "nothing left unacked or unread on the input queue")
+	assert.Empty(t, outs.rest(), "no produced message beyond one per delivery")
+	assert.Equal(t, 0, queued(t, ns.out))
+	assert.Equal(t, 0, queued(t, ns.poison), "nothing poisoned")
 }
