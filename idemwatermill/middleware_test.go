@@ -243,3 +243,12 @@ func TestMiddlewareRefusesBadArguments(t *testing.T) {
 	_, err = idemwatermill.Middleware(mw, idemwatermill.WithLogger(nil))
 	assert.Error(t, err)
 }
+
+func TestWithSourceAndPrefix(t *testing.T) {
+	d := newDirect(t, "database/sql", idem.Options{}, idemwatermill.WithSourcePrefix("billing/"), idemwatermill.WithSource("ship"))
+	_, err := d.h(msg("order-1", "order 1"))
+	require.NoError(t, err)
+	var source string
+	require.NoError(t, db.QueryRow(`SELECT source FROM `+d.ns.table).Scan(&source))
+	assert.Equal(t, "billing/watermill:ship", source)
+}
