@@ -1,10 +1,12 @@
 package idemwatermill_test
 
 import (
+	"bufio"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -34,16 +36,17 @@ type consumer struct {
 	lease       time.Duration // 0: single-transaction mode
 	quorum      bool          // ns.in is a quorum queue with a delivery limit
 	handlers    int           // handlers competing for ns.in (newRouter)
+	paused      bool          // ready, it says so on stdout and waits for a line on stdin to run
 }
 
 func (c consumer) encode() string {
 	return strings.Join([]string{c.db, c.adapter, c.ns.table, c.ns.ledger, c.ns.runs, c.ns.in, c.ns.out, c.ns.poison, c.ns.dead,
-		c.crash, c.lease.String(), strconv.FormatBool(c.quorum), strconv.Itoa(c.handlers)}, "|")
+		c.crash, c.lease.String(), strconv.FormatBool(c.quorum), strconv.Itoa(c.handlers), strconv.FormatBool(c.paused)}, "|")
 }
 
 func decodeConsumer(s string) (consumer, error) {
 	f := strings.Split(s, "|")
-	if len(f) != 13 {
+	if len(f) != 14 {
 		return consumer{}, fmt.Errorf("%s: %d fields", helperEnv, len(f))
 	}
 	lease, err := time.ParseDuration(f[10])
@@ -55,7 +58,7 @@ func decodeConsumer(s string) (consumer, error) {
 		return consumer{}, err
 	}
 	return consumer{db: f[0], adapter: f[1], ns: names{table: f[2], ledger: f[3], runs: f[4], in: f[5], out: f[6], poison: f[7], dead: f[8]},
-		crash: f[9], lease: lease, quorum: f[11] == "true", handlers: handlers}, nil
+		crash: f[9], lease: lease, quorum: f[11] == "true", handlers: handlers, paused: f[13] == "true"}, nil
 }
 
 // consumerMain is a consumer process: a watermill Router with idem's
@@ -105,17 +108,27 @@ func runConsumer(c consumer) error {
 			_ = f()
 		}
 	}()
+	if c.paused {
+		fmt.Println("ready")
+		if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+			return err
+		}
+	}
 	return r.Run(ctx)
 }
 
-// start runs a consumer process; its log goes to out.
-func start(t *testing.T, c consumer, out *logs) *exec.Cmd {
+// command is a consumer process with settings c, not yet started; its log
+// goes to out (and to the test's log if the test fails). It is killed at
+// the test's end if still running.
+func command(t *testing.T, c consumer, out *logs) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), helperEnv+"="+c.encode())
 	cmd.Stderr = out
-	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
+		if cmd.Process == nil {
+			return
+		}
 		if t.Failed() {
 			t.Logf("consumer %d's log:\n%s", cmd.Process.Pid, out.String())
 		}
@@ -125,6 +138,35 @@ func start(t *testing.T, c consumer, out *logs) *exec.Cmd {
 		}
 	})
 	return cmd
+}
+
+// start runs a consumer process.
+func start(t *testing.T, c consumer, out *logs) *exec.Cmd {
+	t.Helper()
+	cmd := command(t, c, out)
+	require.NoError(t, cmd.Start())
+	return cmd
+}
+
+// startPaused starts a paused consumer process, waits until it is ready
+// (connected, its router built), and returns it with the function that lets
+// it run.
+func startPaused(t *testing.T, c consumer, out *logs) (*exec.Cmd, func()) {
+	t.Helper()
+	c.paused = true
+	cmd := command(t, c, out)
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err, "the consumer did not get ready:\n%s", out.String())
+	require.Equal(t, "ready\n", line)
+	return cmd, func() {
+		_, err := io.WriteString(stdin, "go\n")
+		require.NoError(t, err)
+	}
 }
 
 // stop ends a consumer process as an operator would (SIGTERM: the router
@@ -205,7 +247,8 @@ func TestCrashedConsumer(t *testing.T) {
 // budget. The input is a quorum queue that dead-letters a message returned
 // more than once (x-delivery-limit 1). A lease-mode consumer is killed
 // mid-handler, its lease still running; its message comes back (once
-// returned) and a duplicate is published. Another consumer holds each
+// returned) and a duplicate is published. Another consumer, started and
+// paused beforehand so that it runs while the lease does, holds each
 // (idem.ErrInFlight: for the lease's time left) instead of nacking it, takes
 // the key over once the lease ends, and replays the other: nothing is
 // dead-lettered, the ledger row exists once.
@@ -214,15 +257,15 @@ func TestInFlightHeldNotNacked(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
 		ns := newNames(t, true)
 		outs := watch(t, ns.out)
-		c := consumer{db: dbURL, adapter: adapter, ns: ns, crash: "before-commit", lease: 3 * time.Second, quorum: true}
+		c := consumer{db: dbURL, adapter: adapter, ns: ns, lease: 5 * time.Second, quorum: true}
 		var log1, log2 logs
+		second, run := startPaused(t, c, &log2) // ready before the lease starts
+		c.crash = "before-commit"
 		first := start(t, c, &log1)
 		publish(t, ns.in, "order-1", "order 1")
 		waitKilled(t, first)
 		publish(t, ns.in, "order-1", "order 1")
-
-		c.crash = ""
-		second := start(t, c, &log2)
+		run()
 		a, b := outs.next("output"), outs.next("output")
 		stop(t, second)
 
