@@ -252,3 +252,14 @@ func TestWithSourceAndPrefix(t *testing.T) {
 	require.NoError(t, db.QueryRow(`SELECT source FROM `+d.ns.table).Scan(&source))
 	assert.Equal(t, "billing/watermill:ship", source)
 }
+
+// Produced messages too large to store with the answer roll everything
+// back and are permanent: a redelivery would produce them again.
+func TestProducedMessagesTooLargeArePermanent(t *testing.T) {
+	d := newDirect(t, "pgx", idem.Options{MaxResponseBytes: 64})
+	_, err := d.h(msg("order-1", strings.Repeat("x", 100)))
+	assert.ErrorIs(t, err, idem.ErrResponseTooLarge)
+	assert.True(t, idemwatermill.IsPermanent(err))
+	assert.Zero(t, count(t, d.ns.ledger, ""))
+	assert.Zero(t, count(t, d.ns.table, ""))
+}
