@@ -273,8 +273,21 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) {
 			c.logger.Warn("idemrabbitmq: nack failed", "queue", c.queue, "message_id", d.MessageId, "err", nerr)
 		}
 	default:
-		c.reject(d, "rejected: a redelivery would fail the same way", err)
+		c.reject(d, rejection(err), err)
 	}
+}
+
+// rejection says why a delivery that failed with err is rejected.
+func rejection(err error) string {
+	switch {
+	case errors.Is(err, idem.ErrPayloadMismatch):
+		return "rejected: the MessageId was used before with another body"
+	case errors.Is(err, idem.ErrInvalidKey):
+		return "rejected: the MessageId is not a valid key (over 255 bytes, not UTF-8, or control characters)"
+	case errors.Is(err, idem.ErrBodyTooLarge):
+		return "rejected: the body is larger than Options.MaxBodyBytes"
+	}
+	return "rejected: a redelivery would fail the same way"
 }
 
 // reject rejects d without requeue, to the queue's dead-letter exchange,
