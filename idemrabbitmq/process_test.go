@@ -220,7 +220,7 @@ func (p *proc) stop(t testing.TB) {
 // not run again (a replay).
 func TestConsumerKilled(t *testing.T) {
 	for _, tc := range []struct {
-		mode, line string
+		mode, line   string
 		ledgerAtKill int
 		runs         int
 	}{
