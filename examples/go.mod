@@ -11,7 +11,9 @@ require (
 	github.com/pgidem/idem v0.1.0
 	github.com/pgidem/idem/idemgrpc v0.1.0
 	github.com/pgidem/idem/idemprom v0.1.0
+	github.com/pgidem/idem/idemrabbitmq v0.1.0
 	github.com/prometheus/client_golang v1.25.0
+	github.com/rabbitmq/amqp091-go v1.16.0
 	github.com/riverqueue/river v0.51.2
 	github.com/riverqueue/river/riverdriver/riverdatabasesql v0.51.2
 	github.com/stretchr/testify v1.12.1
@@ -86,3 +88,5 @@ replace github.com/pgidem/idem/idemgin => ../idemgin
 replace github.com/pgidem/idem/idemgrpc => ../idemgrpc
 
 replace github.com/pgidem/idem/idemprom => ../idemprom
+
+replace github.com/pgidem/idem/idemrabbitmq => ../idemrabbitmq
