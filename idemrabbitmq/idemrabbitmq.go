@@ -86,7 +86,6 @@ type Consumer struct {
 	dlx         string // the queue's dead-letter exchange, as the options tell it
 	dlxKnown    bool
 	limit       any // the queue's x-delivery-limit, as the options tell it; nil if unknown
-	now         func() time.Time
 }
 
 // Option configures a Consumer.
@@ -152,7 +151,7 @@ func WithDeadLetterExchange(exchange string) Option {
 // source ("rabbitmq:<queue>" after the prefix) is not a valid key part
 // (over idem.MaxKeyLen bytes, not UTF-8, control characters).
 func New(mw *idem.Middleware, queue string, h Handler, opts ...Option) (*Consumer, error) {
-	c := &Consumer{mw: mw, handler: h, queue: queue, concurrency: 1, logger: slog.Default(), now: time.Now}
+	c := &Consumer{mw: mw, handler: h, queue: queue, concurrency: 1, logger: slog.Default()}
 	for _, o := range opts {
 		o(c)
 	}
@@ -237,7 +236,7 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) {
 		return
 	}
 	if c.retention > 0 && !d.Timestamp.IsZero() {
-		if age := c.now().Sub(d.Timestamp); age > c.retention {
+		if age := time.Since(d.Timestamp); age > c.retention {
 			c.reject(d, "rejected: the message is older than the retention: its key may have been swept, so it does not run",
 				fmt.Errorf("idemrabbitmq: timestamp %s is %s old, over the retention %s", d.Timestamp.UTC().Format(time.RFC3339), age.Round(time.Second), c.retention))
 			return
