@@ -226,3 +226,27 @@ func TestStopFinishesTheDeliveryInProgress(t *testing.T) {
 	assert.Equal(t, event{"s1", "ack"}, <-events)
 	assert.Equal(t, 1, count(t, w.ledger, "s1"))
 }
+
+// TestDatabaseErrorIsHeldThenRequeued: an error of idem's own that a
+// retry may fix (here the table is gone: ErrUnavailable) is held for
+// Options.RetryAfter and tried once more before the requeue, so each
+// delivery spends one unit of the delivery limit for two tries; the
+// handler never runs.
+func TestDatabaseErrorIsHeldThenRequeued(t *testing.T) {
+	forAdapters(t, func(t *testing.T, adapter string) {
+		w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
+		c := w.consume(adapter, idem.Options{RetryAfter: 10 * time.Millisecond})
+		_, err := db.Exec(`DROP TABLE ` + w.table)
+		require.NoError(t, err)
+		w.publish(message{id: "u1", body: "x"})
+		for range deliveryLimit + 1 {
+			assert.Equal(t, event{"u1", "nack"}, c.next(t))
+		}
+		d, reason := w.dead()
+		assert.Equal(t, "u1", d.MessageId)
+		assert.Equal(t, "delivery_limit", reason)
+		assert.Len(t, c.logs.lines("level=DEBUG", "held", "message_id=u1"), deliveryLimit+1)
+		assert.Len(t, c.logs.lines("level=WARN", "requeued", "message_id=u1"), deliveryLimit+1)
+		assert.Zero(t, count(t, w.runs, "u1"))
+	})
+}
