@@ -22,6 +22,7 @@ const deliveryLimit = 2
 // adapter: what is acked, what is requeued, what is rejected to the
 // dead-letter exchange (and logged), and what is written.
 func TestOutcomes(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
 		c := w.consume(adapter, idem.Options{MaxBodyBytes: 64}, idemrabbitmq.WithRetention(time.Hour))
@@ -233,6 +234,7 @@ func TestStopFinishesTheDeliveryInProgress(t *testing.T) {
 // delivery spends one unit of the delivery limit for two tries; the
 // handler never runs.
 func TestDatabaseErrorIsHeldThenRequeued(t *testing.T) {
+	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
 		c := w.consume(adapter, idem.Options{RetryAfter: 10 * time.Millisecond})

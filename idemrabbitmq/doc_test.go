@@ -16,6 +16,7 @@ var topLevelFunc = regexp.MustCompile(`(?m)^func `)
 // against this module (the root's doc test skips them: they import
 // amqp091-go).
 func TestDocCodeCompiles(t *testing.T) {
+	t.Parallel()
 	text, err := os.ReadFile("../docs/rabbitmq.md")
 	if err != nil {
 		t.Fatal(err)

@@ -362,8 +362,8 @@ func (c *consumer) next(t testing.TB) event {
 	select {
 	case e := <-c.events:
 		return e
-	case <-time.After(20 * time.Second):
-		t.Fatalf("no ack, nack or reject within 20s; log:\n%s", c.logs.String())
+	case <-time.After(time.Minute):
+		t.Fatalf("no ack, nack or reject within a minute; log:\n%s", c.logs.String())
 		return event{}
 	}
 }
@@ -388,8 +388,8 @@ func (w *world) dead() (amqp.Delivery, string) {
 			}
 		}
 		return d, reason
-	case <-time.After(20 * time.Second):
-		w.t.Fatal("nothing reached the dead-letter queue within 20s")
+	case <-time.After(time.Minute):
+		w.t.Fatal("nothing reached the dead-letter queue within a minute")
 		return amqp.Delivery{}, ""
 	}
 }
