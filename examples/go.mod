@@ -14,6 +14,7 @@ require (
 	github.com/pgidem/idem v0.1.0
 	github.com/pgidem/idem/idemgrpc v0.1.0
 	github.com/pgidem/idem/idemprom v0.1.0
+	github.com/pgidem/idem/idemrabbitmq v0.1.0
 	github.com/pgidem/idem/idemwatermill v0.1.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/rabbitmq/amqp091-go v1.16.0
@@ -108,3 +109,5 @@ replace github.com/pgidem/idem/idemprom => ../idemprom
 replace github.com/pgidem/idem/idemnats => ../idemnats
 
 replace github.com/pgidem/idem/idemwatermill => ../idemwatermill
+
+replace github.com/pgidem/idem/idemrabbitmq => ../idemrabbitmq
