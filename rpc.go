@@ -2,8 +2,10 @@ package idem
 
 import (
 	"bytes"
+	"compress/gzip"
 	"encoding/binary"
 	"encoding/json"
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -20,7 +22,7 @@ import (
 // The middleware stores such an answer only when it reads a success in it:
 // exactly one grpc-status, "0", or an end-of-stream message without an
 // error. Anything else (an error, a status it cannot read, a compressed
-// trailer frame, gRPC-Web's base64 text form) is rolled back and passed
+// trailer frame other than gzip, gRPC-Web's base64 text form) is rolled back and passed
 // through as the handler wrote it.
 
 // rpcKind tells the answers whose outcome is not their HTTP status.
@@ -69,7 +71,12 @@ func rpcSucceeded(kind rpcKind, h http.Header, body []byte) bool {
 			return false // base64: not read
 		}
 		st := h.Values("Grpc-Status") // a trailers-only answer
-		if flags, last, ok := lastFrame(body); ok && flags == 0x80 {
+		flags, last, ok := lastFrame(body)
+		if ok && flags == 0x81 && strings.EqualFold(h.Get("Grpc-Encoding"), "gzip") {
+			last, ok = gunzip(last) // connect-go compresses it with the messages
+			flags = 0x80
+		}
+		if ok && flags == 0x80 {
 			st = append(st, frameStatus(last)...)
 		}
 		return len(st) == 1 && st[0] == "0"
@@ -102,6 +109,16 @@ func lastFrame(body []byte) (flags byte, payload []byte, ok bool) {
 		body = body[5+n:]
 	}
 	return flags, payload, ok
+}
+
+// gunzip decompresses a gzip-compressed trailer frame.
+func gunzip(p []byte) ([]byte, bool) {
+	zr, err := gzip.NewReader(bytes.NewReader(p))
+	if err != nil {
+		return nil, false
+	}
+	out, err := io.ReadAll(io.LimitReader(zr, 64<<10)) // trailers are small
+	return out, err == nil
 }
 
 // frameStatus reads the grpc-status values of a gRPC-Web trailer frame:

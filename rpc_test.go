@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -95,6 +96,16 @@ var rpcShapes = map[string]func(w http.ResponseWriter, msg []byte){
 		w.Header().Set("Content-Type", "application/grpc-web")
 		_, _ = w.Write(msg)
 		_, _ = w.Write(frame(0x81, "grpc-status: 0\r\n"))
+	},
+	"grpcweb-gzip-ok": func(w http.ResponseWriter, msg []byte) {
+		w.Header().Set("Content-Type", "application/grpc-web+proto")
+		w.Header().Set("Grpc-Encoding", "gzip")
+		_, _ = w.Write(msg)
+		var z bytes.Buffer
+		zw := gzip.NewWriter(&z)
+		_, _ = zw.Write([]byte("grpc-status: 0\r\n"))
+		_ = zw.Close()
+		_, _ = w.Write(frame(0x81, z.String()))
 	},
 	"grpcweb-text": func(w http.ResponseWriter, msg []byte) {
 		w.Header().Set("Content-Type", "application/grpc-web-text")
@@ -222,7 +233,7 @@ func TestRPCAnswerStoredOnlyOnSuccessWithItsTrailers(t *testing.T) {
 			})
 			t.Run("gRPC-Web and Connect streams are stored only on success", func(t *testing.T) {
 				for shape, stored := range map[string]bool{
-					"grpcweb-ok": true, "connect-stream-ok": true,
+					"grpcweb-ok": true, "grpcweb-gzip-ok": true, "connect-stream-ok": true,
 					"grpcweb-error": false, "grpcweb-trailers-only": false, "grpcweb-compressed-trailer": false,
 					"grpcweb-text": false, "connect-stream-error": false,
 				} {
