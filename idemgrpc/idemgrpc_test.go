@@ -146,6 +146,55 @@ func TestAKeyInFlightIsAbortedWithRetryInfoThenReplayed(t *testing.T) {
 	})
 }
 
+// In lease mode (Options.Lease) the claim commits at once and the handler
+// runs without holding a connection; its writes still go through idem.Tx
+// and commit with the response. A duplicate at another replica while the
+// lease runs is Aborted at once, with the lease's time left as its retry
+// delay, and the retry after the original gets its response. (On the
+// original's own replica a duplicate waits for it in memory, LockWait at
+// most, as in single-transaction mode.)
+func TestLeaseModeThroughTheInterceptor(t *testing.T) {
+	forAdapters(t, func(t *testing.T, adapter string) {
+		const lease = 20 * time.Second
+		w := newWorld(t, adapter, setup{opts: idem.Options{Lease: lease, HandlerTimeout: 15 * time.Second}})
+		replica := newWorld(t, adapter, setup{opts: idem.Options{Lease: lease, HandlerTimeout: 15 * time.Second}, table: w.table})
+		entered, release := make(chan struct{}), make(chan struct{})
+		w.handle = func(ctx context.Context, r *testpb.PayRequest) (*testpb.PayReply, error) {
+			close(entered)
+			<-release
+			return w.write(ctx, r)
+		}
+		done := make(chan call)
+		go func() { done <- w.payKey(req("dave", 1), "leased") }()
+		<-entered
+		var claimed int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+w.table).Scan(&claimed))
+		assert.Equal(t, 1, claimed, "the claim committed before the handler ran: lease mode")
+
+		dup := replica.payKey(req("dave", 1), "leased")
+		st := status.Convert(dup.err)
+		require.Equal(t, codes.Aborted, st.Code(), "%v", dup.err)
+		require.Len(t, st.Details(), 1)
+		ri, ok := st.Details()[0].(*errdetails.RetryInfo)
+		require.True(t, ok)
+		delay := ri.RetryDelay.AsDuration()
+		assert.Greater(t, delay, idemgrpc.DefaultRetryDelay, "the lease's time left, not the default")
+		assert.LessOrEqual(t, delay, lease)
+
+		close(release)
+		orig := <-done
+		require.NoError(t, orig.err)
+		for _, at := range []*world{w, replica} {
+			retry := at.payKey(req("dave", 1), "leased")
+			require.NoError(t, retry.err)
+			assert.True(t, retry.replayed())
+			assert.Equal(t, wire(t, orig.reply), wire(t, retry.reply))
+		}
+		assert.EqualValues(t, 1, w.runs.Load()+replica.runs.Load())
+		assert.Equal(t, 1, w.rows(), "the handler's write committed once, with the response")
+	})
+}
+
 func TestAnotherMessageUnderTheSameKeyIsAFailedPrecondition(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, setup{})
