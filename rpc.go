@@ -21,9 +21,9 @@ import (
 //
 // The middleware stores such an answer only when it reads a success in it:
 // exactly one grpc-status, "0", or an end-of-stream message without an
-// error. Anything else (an error, a status it cannot read, a compressed
-// trailer frame other than gzip, gRPC-Web's base64 text form) is rolled back and passed
-// through as the handler wrote it.
+// error. Anything else (an error, a status it cannot read, a trailer frame
+// compressed other than with gzip, gRPC-Web's base64 text form) is rolled
+// back and passed through as the handler wrote it.
 
 // rpcKind tells the answers whose outcome is not their HTTP status.
 type rpcKind int
@@ -206,7 +206,10 @@ func takeTrailers(h http.Header) http.Header {
 // sets one.
 func rpcStoredHeaders(dst []byte, h http.Header, names []string) []byte {
 	all := make(http.Header, len(names)+4)
-	keep := append(names[:len(names):len(names)], "Grpc-Encoding")
+	keep := names[:len(names):len(names)]
+	if !slices.Contains(keep, "Grpc-Encoding") {
+		keep = append(keep, "Grpc-Encoding")
+	}
 	for _, k := range keep {
 		if vs, ok := h[k]; ok {
 			all[k] = vs
