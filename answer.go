@@ -36,12 +36,22 @@ func (x *exchange) answer(rec *recorder) {
 	x.send(rec.finalStatus(), rec.body.Bytes())
 }
 
+// send writes the answer; the trailers in the header (a gRPC answer's
+// grpc-status) are declared before the body and set after it, so net/http
+// sends them as trailers.
 func (x *exchange) send(status int, body []byte) {
-	x.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	h := x.w.Header()
+	trailers := takeTrailers(h)
+	if trailers == nil { // with one, HTTP/1.1 must chunk to send it
+		h.Set("Content-Length", strconv.Itoa(len(body)))
+	}
 	x.obs.Status = status
 	x.observe()
 	x.w.WriteHeader(status)
 	_, _ = x.w.Write(body)
+	for k, vs := range trailers {
+		h[k] = vs
+	}
 }
 
 // fail answers with the middleware's own error; a call of Do returns

@@ -104,7 +104,11 @@ type Options struct {
 	// FinalStatus reports whether a handler's status is final: stored,
 	// committed with the handler's writes, and replayed to every duplicate.
 	// Any other status rolls back the claim and the handler's writes, so a
-	// redelivery runs the handler again. nil means 2xx only.
+	// redelivery runs the handler again. nil means 2xx only. An answer in
+	// the gRPC, gRPC-Web or Connect streaming protocol (Content-Type
+	// application/grpc..., application/connect+...), which is 200 whatever
+	// its outcome, is final only if it also says success: grpc-status 0, or
+	// an end-of-stream message without an error (see docs/grpc.md).
 	FinalStatus func(status int) bool
 
 	// ReplayHeaders are the response headers stored and replayed, besides

@@ -54,9 +54,13 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 	finished = true
 
 	status := rec.finalStatus()
-	final := m.finalStatus(status)
+	kind := rpcKindOf(rec.header) // a gRPC answer is 200 whatever its outcome
+	final := m.finalStatus(status) && (kind == rpcNone || rpcSucceeded(kind, rec.header, rec.body.Bytes()))
 	var headers []byte // the stored headers are part of the answer's size
-	if final {
+	switch {
+	case final && (kind == rpcGRPC || kind == rpcGRPCWeb):
+		headers = rpcStoredHeaders(make([]byte, 0, 128), rec.header, m.replayHeaders)
+	case final:
 		headers = appendHeaderJSON(make([]byte, 0, 64), rec.header, m.replayHeaders)
 	}
 	switch {
@@ -78,6 +82,9 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 			m.log(x, slog.LevelWarn, "rollback failed", err)
 		}
 		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not a final status", status)
+		if kind != rpcNone && m.finalStatus(status) {
+			x.obs.Err = errors.New("idem: the handler's RPC answer is not a success (or its status cannot be read)")
+		}
 		m.log(x, slog.LevelInfo, "rolled back: the handler's status is not final", x.obs.Err)
 		x.answer(rec)
 		return

@@ -55,7 +55,8 @@ const MetadataKey = "idempotency-key"
 const ReplayedKey = "idempotent-replayed"
 
 // DefaultRetryDelay is the retry delay that Aborted and Unavailable answers
-// carry (google.rpc.RetryInfo) unless WithRetryDelay sets another.
+// carry (google.rpc.RetryInfo) when neither WithRetryDelay nor the
+// middleware (Result.RetryAfter) gives one.
 const DefaultRetryDelay = time.Second
 
 // typeURLPrefix is the prefix of a stored response's type URL, as in
@@ -137,7 +138,9 @@ func WithFinalCodes(cs ...codes.Code) Option {
 
 // WithRetryDelay sets the retry delay carried, as google.rpc.RetryInfo, by
 // Aborted answers (the key is in flight) and Unavailable ones. 0 or less
-// means DefaultRetryDelay.
+// (the default) means the middleware's (idem.Result.RetryAfter): for a key
+// whose lease-mode original is still running (idem.Options.Lease), the
+// lease's time left, else idem.Options.RetryAfter (1 s by default).
 func WithRetryDelay(d time.Duration) Option {
 	return func(c *config) { c.retryDelay = d }
 }
@@ -191,9 +194,6 @@ func UnaryServerInterceptor(mw *idem.Middleware, opts ...Option) grpc.UnaryServe
 		panic("idemgrpc: UnaryServerInterceptor needs WithCaller, or SingleTenant when all callers share one scope")
 	case c.caller != nil && c.singleTenant:
 		panic("idemgrpc: WithCaller and SingleTenant exclude each other")
-	}
-	if c.retryDelay <= 0 {
-		c.retryDelay = DefaultRetryDelay
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if c.methods != nil && !c.methods[info.FullMethod] {
@@ -282,7 +282,7 @@ func (c *config) intercept(ctx context.Context, mw *idem.Middleware, req any, me
 	case badResp:
 		return nil, status.Error(codes.Internal, "idempotency: the response cannot be stored")
 	}
-	return nil, c.statusOf(err, herr)
+	return nil, c.statusOf(err, herr, res.RetryAfter)
 }
 
 // key returns the call's event id, "" when it has none.
@@ -347,10 +347,18 @@ func replay(value []byte) (any, error) {
 
 // statusOf maps an error of Do, other than a committed answer, to the
 // status the client gets (docs/grpc.md has the table).
-func (c *config) statusOf(err, herr error) error {
+func (c *config) statusOf(err, herr error, retryAfter time.Duration) error {
+	delay := c.retryDelay
+	switch {
+	case delay > 0:
+	case retryAfter > 0:
+		delay = retryAfter
+	default:
+		delay = DefaultRetryDelay
+	}
 	switch {
 	case errors.Is(err, idem.ErrHandlerTimeout):
-		return c.retryable(codes.Unavailable, "idempotency: the handler ran past its time limit and was rolled back; retry")
+		return retryable(codes.Unavailable, "idempotency: the handler ran past its time limit and was rolled back; retry", delay)
 	case herr != nil && errors.Is(err, herr):
 		return herr // the handler's own error, rolled back
 	case errors.Is(err, idem.ErrInvalidKey):
@@ -360,11 +368,11 @@ func (c *config) statusOf(err, herr error) error {
 	case errors.Is(err, idem.ErrPayloadMismatch):
 		return status.Error(codes.FailedPrecondition, "idempotency key reused with a different request message")
 	case errors.Is(err, idem.ErrInFlight):
-		return c.retryable(codes.Aborted, "an earlier call with this idempotency key is still in progress; retry")
+		return retryable(codes.Aborted, "an earlier call with this idempotency key is still in progress; retry", delay)
 	case errors.Is(err, idem.ErrConflict), errors.Is(err, idem.ErrLeaseExpired):
-		return c.retryable(codes.Aborted, "idempotency: the call lost a concurrent claim of its key; retry")
+		return retryable(codes.Aborted, "idempotency: the call lost a concurrent claim of its key; retry", delay)
 	case errors.Is(err, idem.ErrUnavailable):
-		return c.retryable(codes.Unavailable, "idempotency store unavailable; retry")
+		return retryable(codes.Unavailable, "idempotency store unavailable; retry", delay)
 	case errors.Is(err, idem.ErrResponseTooLarge):
 		return status.Error(codes.ResourceExhausted, "idempotency: the response is larger than the idempotency store accepts")
 	case errors.Is(err, idem.ErrTxAborted):
@@ -376,8 +384,8 @@ func (c *config) statusOf(err, herr error) error {
 }
 
 // retryable is a status with google.rpc.RetryInfo.
-func (c *config) retryable(code codes.Code, msg string) error {
-	st, err := status.New(code, msg).WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(c.retryDelay)})
+func retryable(code codes.Code, msg string, delay time.Duration) error {
+	st, err := status.New(code, msg).WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(delay)})
 	if err != nil {
 		return status.Error(code, msg)
 	}

@@ -118,22 +118,11 @@ func TestAKeyInFlightIsAbortedWithRetryInfoThenReplayed(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, adapter, setup{opts: idem.Options{LockWait: -1}, gopts: []idemgrpc.Option{
 			idemgrpc.WithCaller(tenant), idemgrpc.WithRetryDelay(250 * time.Millisecond)}})
-		entered, release := make(chan struct{}), make(chan struct{})
-		w.handle = func(ctx context.Context, r *testpb.PayRequest) (*testpb.PayReply, error) {
-			close(entered)
-			<-release
-			return w.write(ctx, r)
-		}
-		done := make(chan call)
+		entered, release, done := w.held()
 		go func() { done <- w.payKey(req("carol", 1), "slow") }()
 		<-entered
 		dup := w.payKey(req("carol", 1), "slow")
-		st := status.Convert(dup.err)
-		require.Equal(t, codes.Aborted, st.Code(), "%v", dup.err)
-		require.Len(t, st.Details(), 1)
-		ri, ok := st.Details()[0].(*errdetails.RetryInfo)
-		require.True(t, ok)
-		assert.Equal(t, 250*time.Millisecond, ri.RetryDelay.AsDuration())
+		assert.Equal(t, 250*time.Millisecond, abortedDelay(t, dup.err))
 
 		close(release)
 		orig := <-done
@@ -143,6 +132,68 @@ func TestAKeyInFlightIsAbortedWithRetryInfoThenReplayed(t *testing.T) {
 		assert.True(t, retry.replayed())
 		assert.Equal(t, wire(t, orig.reply), wire(t, retry.reply))
 		assert.EqualValues(t, 1, w.runs.Load())
+	})
+}
+
+// held makes w's handler wait, once entered, until release is closed; the
+// test sends the original's result on done.
+func (w *world) held() (entered, release chan struct{}, done chan call) {
+	entered, release, done = make(chan struct{}), make(chan struct{}), make(chan call)
+	w.handle = func(ctx context.Context, r *testpb.PayRequest) (*testpb.PayReply, error) {
+		close(entered)
+		<-release
+		return w.write(ctx, r)
+	}
+	return entered, release, done
+}
+
+// abortedDelay checks that err is Aborted with RetryInfo and returns its
+// delay.
+func abortedDelay(t *testing.T, err error) time.Duration {
+	t.Helper()
+	st := status.Convert(err)
+	require.Equal(t, codes.Aborted, st.Code(), "%v", err)
+	require.Len(t, st.Details(), 1)
+	ri, ok := st.Details()[0].(*errdetails.RetryInfo)
+	require.True(t, ok)
+	return ri.RetryDelay.AsDuration()
+}
+
+// In lease mode (Options.Lease) the claim commits at once and the handler
+// runs without holding a connection; its writes still go through idem.Tx
+// and commit with the response. A duplicate at another replica while the
+// lease runs is Aborted at once, with the lease's time left as its retry
+// delay, and the retry after the original gets its response. (On the
+// original's own replica a duplicate waits for it in memory, LockWait at
+// most, as in single-transaction mode.)
+func TestLeaseModeThroughTheInterceptor(t *testing.T) {
+	forAdapters(t, func(t *testing.T, adapter string) {
+		const lease = 20 * time.Second
+		w := newWorld(t, adapter, setup{opts: idem.Options{Lease: lease, HandlerTimeout: 15 * time.Second}})
+		replica := newWorld(t, adapter, setup{opts: idem.Options{Lease: lease, HandlerTimeout: 15 * time.Second}, table: w.table})
+		entered, release, done := w.held()
+		go func() { done <- w.payKey(req("dave", 1), "leased") }()
+		<-entered
+		var claimed int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+w.table).Scan(&claimed))
+		assert.Equal(t, 1, claimed, "the claim committed before the handler ran: lease mode")
+
+		dup := replica.payKey(req("dave", 1), "leased")
+		delay := abortedDelay(t, dup.err)
+		assert.Greater(t, delay, idemgrpc.DefaultRetryDelay, "the lease's time left, not the default")
+		assert.LessOrEqual(t, delay, lease)
+
+		close(release)
+		orig := <-done
+		require.NoError(t, orig.err)
+		for _, at := range []*world{w, replica} {
+			retry := at.payKey(req("dave", 1), "leased")
+			require.NoError(t, retry.err)
+			assert.True(t, retry.replayed())
+			assert.Equal(t, wire(t, orig.reply), wire(t, retry.reply))
+		}
+		assert.EqualValues(t, 1, w.runs.Load()+replica.runs.Load())
+		assert.Equal(t, 1, w.rows(), "the handler's write committed once, with the response")
 	})
 }
 

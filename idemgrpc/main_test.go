@@ -88,6 +88,9 @@ type setup struct {
 	before grpc.UnaryServerInterceptor
 	// bare leaves idem's interceptor out (the benchmarks' baseline).
 	bare bool
+	// table, when set, is another world's idempotency table: a second
+	// server on it is another replica of the same service.
+	table string
 }
 
 // world is one test's table, ledger, server and client.
@@ -107,7 +110,11 @@ func newWorld(t testing.TB, adapter string, s setup) *world {
 	t.Helper()
 	n := seq.Add(1)
 	w := &world{t: t, adapter: adapter, table: fmt.Sprintf("keys_%d", n), ledger: fmt.Sprintf("ledger_%d", n)}
-	require.NoError(t, idem.Migrate(t.Context(), db, w.table))
+	if s.table != "" {
+		w.table = s.table
+	} else {
+		require.NoError(t, idem.Migrate(t.Context(), db, w.table))
+	}
 	_, err := db.Exec(`CREATE TABLE ` + w.ledger + ` (id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL)`)
 	require.NoError(t, err)
 	s.opts.Table = w.table

@@ -68,6 +68,11 @@ browser() {
   cd internal/browsertest && go vet ./... && IDEM_SCREENSHOTS=$shots go test -race -count=1 ./...
 }
 [ -f internal/browsertest/go.mod ] && modules+=("operator UI in headless Chromium: go test" browser --)
+# A Connect handler behind the HTTP middleware, called by connect's and
+# grpc-go's clients (Connect, gRPC, gRPC-Web): a test-only module, so
+# connect is a requirement of no published module.
+connecttest() { cd internal/connecttest && go vet ./... && go test -race -count=1 ./...; }
+[ -f internal/connecttest/go.mod ] && modules+=("connecttest module (Connect, gRPC and gRPC-Web through the HTTP middleware): go vet + go test -race" connecttest --)
 [ -f internal/providertest/go.mod ] && modules+=("providertest module: go vet + go test -race" providertest --)
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
 # Releases (RELEASING.md): what each public module's zip would hold, from

@@ -21,7 +21,7 @@ var (
 	// (RELEASING.md).
 	published = []string{".", "idemgin", "idemprom", "idemui", "idemgrpc", "idemnats", "idemwatermill", "idemrabbitmq"}
 	// unpublished are modules that only this repository uses.
-	unpublished = []string{"examples", "bench", "internal/browsertest", "internal/providertest", "internal/tools/modcheck"}
+	unpublished = []string{"examples", "bench", "internal/browsertest", "internal/providertest", "internal/connecttest", "internal/tools/modcheck"}
 )
 
 // module is one public module in a tree.
