@@ -221,7 +221,13 @@ func (t *pgxConn) Close(ctx context.Context) error {
 		return nil
 	}
 	var err error
-	if t.open && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
+	switch {
+	case t.open && t.c.IsClosed():
+		// The connection died with the transaction open (a failover, a
+		// terminated backend): rolled back by the server, if it lives;
+		// the engine answers a store failure.
+		err = errConnLost
+	case t.open && t.c.PgConn().TxStatus() != 'I':
 		// Bounded, after the request's own deadline: past it the
 		// connection is closed, which rolls back too.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -235,6 +241,10 @@ func (t *pgxConn) Close(ctx context.Context) error {
 	t.conn.Release()
 	return err
 }
+
+// errConnLost is Close's error when the connection closed while a
+// transaction was open on it.
+var errConnLost = errors.New("idem: the connection closed with the transaction open")
 
 // txOptions are pgx's options for database/sql's, which package claims
 // has validated (driver.IsoLevel).
