@@ -23,6 +23,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,6 +31,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/connstr"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/summary"
 )
@@ -38,7 +40,10 @@ import (
 // database of pool, where Migrate has created the table. Every field of
 // opts means what it means for idem.New; TxOptions' isolation level and
 // read-only flag become the BEGIN statement. New does not touch the
-// database: a database that is down answers 503 per request. With
+// database: a database that is down answers 503 per request. It logs a
+// warning (to opts.Logger) when the pool's connection string names more
+// than one host without connect_timeout: a host that does not answer would
+// hold up every new connection (docs/ha.md). With
 // TxOptions nil, the transactions are READ COMMITTED, stated in their BEGIN
 // whatever the server's default_transaction_isolation: the claim is built
 // for it.
@@ -49,6 +54,13 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	mw, err := driver.NewMiddleware(pgxPool{pool, int(pool.Config().MaxConns)}, opts)
 	if err != nil {
 		return nil, err
+	}
+	if w := connstr.Warning(&pool.Config().ConnConfig.Config); w != "" {
+		logger := opts.Logger
+		if logger == nil {
+			logger = slog.Default()
+		}
+		logger.LogAttrs(context.Background(), slog.LevelWarn, w)
 	}
 	return mw.(*idem.Middleware), nil
 }
