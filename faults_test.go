@@ -37,15 +37,17 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 		// answers 500 when that fails). Either way the sender gets idem's
 		// 503 with Retry-After: the store failed, not the handler.
 		queryAfter, during bool
+		lease              time.Duration
 	}{
-		{"the middleware's store of the answer fails", false, false},
-		{"the handler's next query fails", true, false},
-		{"the handler's statement is running", false, true},
+		{"the middleware's store of the answer fails", false, false, 0},
+		{"the handler's next query fails", true, false, 0},
+		{"the handler's statement is running", false, true, 0},
+		{"lease mode, the handler's statement is running", false, true, 20 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pids, release := make(chan int), make(chan struct{})
 			var f *fixture
-			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			f = newFixture(t, idem.Options{Lease: tc.lease}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if f.runs.Load() > 1 {
 					f.ledgerHandler().ServeHTTP(w, r)
 					return
@@ -109,6 +111,54 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 			assert.Equal(t, int64(2), f.runs.Load(), "the failed run and one redelivery")
 		})
 	}
+}
+
+// TestTerminatedBackendMidDoIsAStoreFailure: for Do, a connection that dies
+// during fn's statement is idem's ErrUnavailable (retry later), not fn's
+// own error, and the redelivery runs once.
+func TestTerminatedBackendMidDoIsAStoreFailure(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	pids := make(chan int, 1)
+	type done struct {
+		res idem.Result
+		err error
+	}
+	first := make(chan done, 1)
+	go func() {
+		res, err := f.mw.Do(context.Background(), doKey("evt_1"), []byte("{}"), func(ctx context.Context) ([]byte, error) {
+			tx, _ := txFrom(ctx)
+			var pid int
+			if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				pids <- 0
+				return nil, err
+			}
+			pids <- pid
+			_, err := tx.ExecContext(ctx, `SELECT pg_sleep(60)`) // until its backend is terminated
+			return nil, err
+		})
+		first <- done{res, err}
+	}()
+	pid := <-pids
+	require.NotZero(t, pid)
+	testdb.WaitFor(t, "fn's pg_sleep to run", func() bool {
+		var n int
+		require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep'`, pid).Scan(&n))
+		return n == 1
+	})
+	var gone bool
+	require.NoError(t, f.db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
+	require.True(t, gone)
+	d := <-first
+	require.ErrorIs(t, d.err, idem.ErrUnavailable)
+	assert.True(t, idem.Retryable(d.err))
+	assert.Positive(t, d.res.RetryAfter)
+	assert.Equal(t, 0, f.keys())
+
+	res, err := f.mw.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+	require.NoError(t, err)
+	assert.False(t, res.Replayed)
+	assert.Equal(t, 1, f.ledgerRows())
 }
 
 // TestConnectionLossMidStormLosesAndDoublesNothing cuts the middleware's

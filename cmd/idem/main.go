@@ -5,6 +5,7 @@
 //	idem migrate -partition-interval 24h create it partitioned by day (docs/partitioning.md)
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
+//	idem check -require-synchronous      and critical while commits wait for no synchronous standby
 //	idem stats                           keys by source, completed and in flight
 //	idem keys show -source S -id ID      one key: state, times, stored answer
 //	idem keys list -state stuck          keys in a state, newest first
