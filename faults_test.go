@@ -81,17 +81,9 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 			pid := <-pids
 			require.NotZero(t, pid)
 			if tc.during {
-				testdb.WaitFor(t, "the handler's pg_sleep to run", func() bool {
-					var n int
-					require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep'`, pid).Scan(&n))
-					return n == 1
-				})
+				awaitSleeping(t, f.db, pid)
 			}
-			var gone bool
-			// With a timeout, pg_terminate_backend returns once the backend
-			// has exited (or false if it did not within the timeout).
-			require.NoError(t, f.db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
-			require.True(t, gone, "backend %d did not exit", pid)
+			terminate(t, f.db, pid)
 			close(release)
 
 			r := <-first
@@ -141,14 +133,8 @@ func TestTerminatedBackendMidDoIsAStoreFailure(t *testing.T) {
 	}()
 	pid := <-pids
 	require.NotZero(t, pid)
-	testdb.WaitFor(t, "fn's pg_sleep to run", func() bool {
-		var n int
-		require.NoError(t, f.db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep'`, pid).Scan(&n))
-		return n == 1
-	})
-	var gone bool
-	require.NoError(t, f.db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
-	require.True(t, gone)
+	awaitSleeping(t, f.db, pid)
+	terminate(t, f.db, pid)
 	d := <-first
 	require.ErrorIs(t, d.err, idem.ErrUnavailable)
 	assert.True(t, idem.Retryable(d.err))
@@ -159,6 +145,26 @@ func TestTerminatedBackendMidDoIsAStoreFailure(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, res.Replayed)
 	assert.Equal(t, 1, f.ledgerRows())
+}
+
+// awaitSleeping waits until the backend pid runs pg_sleep.
+func awaitSleeping(t *testing.T, db *sql.DB, pid int) {
+	t.Helper()
+	testdb.WaitFor(t, "pg_sleep to run", func() bool {
+		var n int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep'`, pid).Scan(&n))
+		return n == 1
+	})
+}
+
+// terminate ends the backend pid and returns once it has exited.
+func terminate(t *testing.T, db *sql.DB, pid int) {
+	t.Helper()
+	var gone bool
+	// With a timeout, pg_terminate_backend returns once the backend has
+	// exited (or false if it did not within the timeout).
+	require.NoError(t, db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
+	require.True(t, gone, "backend %d did not exit", pid)
 }
 
 // TestConnectionLossMidStormLosesAndDoublesNothing cuts the middleware's

@@ -3,12 +3,10 @@
 package hatest
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -21,6 +19,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/pgcluster"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/require"
 )
 
@@ -63,27 +62,8 @@ type member struct {
 	name, pgdata string
 	port         int
 	cmd          *exec.Cmd
-	done         chan struct{} // closed when cmd has exited
-	log          *bytes.Buffer
-	logMu        *sync.Mutex
-}
-
-// lockedWriter is a log buffer that the process writes and the test reads.
-type lockedWriter struct {
-	mu *sync.Mutex
-	b  *bytes.Buffer
-}
-
-func (w lockedWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func (m *member) logText() string {
-	m.logMu.Lock()
-	defer m.logMu.Unlock()
-	return m.log.String()
+	done         chan struct{}     // closed when cmd has exited
+	log          *testdb.LogBuffer // what pg_autoctl printed
 }
 
 // newFormation starts a monitor with monitorSettings and two nodes, and
@@ -97,13 +77,15 @@ func newFormation(t *testing.T) *formation {
 	bin, err := pgcluster.BinDir()
 	require.NoError(t, err)
 	f := &formation{t: t, bin: bin}
-	if os.Geteuid() == 0 {
-		f.asUser, err = user.Lookup("postgres")
-		require.NoError(t, err, "running as root, and initdb refuses root")
-	}
+	f.asUser, err = pgcluster.ServerUser()
+	require.NoError(t, err)
 	f.dir, err = os.MkdirTemp("", "idem-hatest-")
 	require.NoError(t, err)
-	require.NoError(t, f.chown(f.dir))
+	require.NoError(t, pgcluster.Chown(f.asUser, f.dir))
+	for _, d := range []string{"config", "data", "run"} { // pg_autoctl's (command), else it writes to /tmp
+		require.NoError(t, os.Mkdir(filepath.Join(f.dir, d), 0o700))
+		require.NoError(t, pgcluster.Chown(f.asUser, filepath.Join(f.dir, d)))
+	}
 	require.NoError(t, f.startWatchdog())
 	t.Cleanup(f.close)
 
@@ -133,15 +115,6 @@ func newFormation(t *testing.T) *formation {
 	return f
 }
 
-func (f *formation) chown(path string) error {
-	if f.asUser == nil {
-		return nil
-	}
-	uid, _ := strconv.Atoi(f.asUser.Uid)
-	gid, _ := strconv.Atoi(f.asUser.Gid)
-	return os.Chown(path, uid, gid)
-}
-
 // watchdogScript kills the process groups listed in $1/pgids and removes
 // the directory $1 once the process $2 is gone: nothing outlives a test
 // binary killed by its -timeout or a signal.
@@ -163,11 +136,9 @@ func (f *formation) startWatchdog() error {
 
 // newMember names a member and gives it a free port.
 func (f *formation) newMember(name string) *member {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := pgcluster.FreePort()
 	require.NoError(f.t, err)
-	port := l.Addr().(*net.TCPAddr).Port
-	require.NoError(f.t, l.Close())
-	return &member{name: name, pgdata: filepath.Join(f.dir, name), port: port, log: new(bytes.Buffer), logMu: new(sync.Mutex)}
+	return &member{name: name, pgdata: filepath.Join(f.dir, name), port: port, log: new(testdb.LogBuffer)}
 }
 
 // command is pg_autoctl args, as the server's user, with the formation's
@@ -202,8 +173,7 @@ func (f *formation) create(m *member, args ...string) {
 func (f *formation) start(m *member, args ...string) {
 	f.t.Helper()
 	m.cmd = f.command(context.Background(), args...)
-	w := lockedWriter{m.logMu, m.log}
-	m.cmd.Stdout, m.cmd.Stderr = w, w
+	m.cmd.Stdout, m.cmd.Stderr = m.log, m.log
 	m.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	require.NoError(f.t, m.cmd.Start())
 	m.done = make(chan struct{})
@@ -220,18 +190,38 @@ func (f *formation) start(m *member, args ...string) {
 	require.NoError(f.t, errors.Join(err, pgids.Close()))
 }
 
-// kill kills m's whole process group at once, pg_autoctl and PostgreSQL:
-// the machine is gone, as far as the formation can tell.
+// kill kills m's whole process group at once, pg_autoctl and PostgreSQL,
+// and the postmaster too if it runs in a group of its own: the machine is
+// gone, as far as the formation can tell. The shared memory segment the
+// postmaster leaves is removed.
 func (f *formation) kill(m *member) {
 	f.t.Helper()
+	pid, shmid := postmaster(m)
 	require.NoError(f.t, syscall.Kill(-m.cmd.Process.Pid, syscall.SIGKILL))
+	if pid > 0 {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
 	<-m.done
+	if shmid != "" {
+		_ = exec.Command("ipcrm", "-m", shmid).Run() // gone already if nothing was attached
+	}
 }
 
-// restart runs m again after kill: pg_autoctl run on its data directory.
-func (f *formation) restart(m *member) {
-	f.t.Helper()
-	f.start(m, "run", "--pgdata", m.pgdata)
+// postmaster returns the pid and the shared memory segment's id in m's
+// postmaster.pid, or 0 and "".
+func postmaster(m *member) (pid int, shmid string) {
+	b, err := os.ReadFile(filepath.Join(m.pgdata, "postmaster.pid"))
+	if err != nil {
+		return 0, ""
+	}
+	lines := strings.Split(string(b), "\n")
+	pid, _ = strconv.Atoi(strings.TrimSpace(lines[0]))
+	if len(lines) > 6 {
+		if f := strings.Fields(lines[6]); len(f) == 2 {
+			shmid = f[1]
+		}
+	}
+	return pid, shmid
 }
 
 // stop stops m: SIGQUIT to its process group is an immediate stop of
@@ -243,11 +233,18 @@ func stop(m *member) {
 		return
 	default:
 	}
+	pid, _ := postmaster(m)
 	_ = syscall.Kill(-m.cmd.Process.Pid, syscall.SIGQUIT)
+	if pid > 0 {
+		_ = syscall.Kill(pid, syscall.SIGQUIT)
+	}
 	select {
 	case <-m.done:
 	case <-time.After(10 * time.Second):
 		_ = syscall.Kill(-m.cmd.Process.Pid, syscall.SIGKILL)
+		if pid > 0 {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
 		<-m.done
 	}
 }
@@ -269,7 +266,7 @@ func (f *formation) close() {
 	wg.Wait()
 	if f.t.Failed() {
 		for _, m := range members {
-			f.t.Logf("pg_autoctl log of %s:\n%s", m.name, tail(m.logText(), 60))
+			f.t.Logf("pg_autoctl log of %s:\n%s", m.name, tail(m.log.String(), 60))
 		}
 	}
 	if err := os.RemoveAll(f.dir); err != nil {
@@ -339,10 +336,30 @@ func (f *formation) await(what string, cond func() (bool, error)) {
 		}
 		if time.Now().After(deadline) {
 			states, _ := f.states()
-			f.t.Fatalf("gave up waiting %v for %s (states: %v)", stateBound, what, states)
+			f.t.Fatalf("gave up waiting %v for %s (states: %v); the monitor's last events:\n%s", stateBound, what, states, f.events())
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// events returns the monitor's last events, newest last, for a failing
+// test to show.
+func (f *formation) events() string {
+	rows, err := f.monDB.Query(`SELECT eventtime::time(0)::text, nodename, description
+FROM (SELECT * FROM pgautofailover.event ORDER BY eventid DESC LIMIT 30) e ORDER BY eventid`)
+	if err != nil {
+		return err.Error()
+	}
+	defer rows.Close()
+	var b strings.Builder
+	for rows.Next() {
+		var at, node, what string
+		if err := rows.Scan(&at, &node, &what); err != nil {
+			return err.Error()
+		}
+		fmt.Fprintf(&b, "%s %s: %s\n", at, node, what)
+	}
+	return b.String()
 }
 
 // primary returns the node the monitor has as primary (or wait_primary).
@@ -367,14 +384,16 @@ func (f *formation) other(n *member) *member {
 	return f.nodes[0]
 }
 
-// switchover runs pg_autoctl perform switchover, which returns once the
-// secondary has been promoted and the old primary follows it.
+// switchover asks the monitor for a switchover, as pg_autoctl perform
+// switchover does (pgautofailover.perform_failover), and returns once the
+// secondary is primary and the old primary its secondary again (after
+// pg_rewind).
 func (f *formation) switchover() {
 	f.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), stateBound)
-	defer cancel()
-	out, err := f.command(ctx, "perform", "switchover", "--pgdata", f.monitor.pgdata).CombinedOutput()
-	require.NoError(f.t, err, "pg_autoctl perform switchover: %s", out)
+	old := f.primary()
+	_, err := f.monDB.Exec(`SELECT pgautofailover.perform_failover('default', 0)`)
+	require.NoError(f.t, err)
+	f.awaitStates(map[string]string{f.other(old).name: "primary", old.name: "secondary"})
 }
 
 // url is a multi-host URL of the formation's nodes for database db, as

@@ -75,10 +75,8 @@ func NewSet() (*Set, error) {
 		return nil, err
 	}
 	s := &Set{bin: bin}
-	if os.Geteuid() == 0 {
-		if s.asUser, err = user.Lookup("postgres"); err != nil {
-			return nil, fmt.Errorf("pgcluster: running as root, and initdb refuses root: %w", err)
-		}
+	if s.asUser, err = ServerUser(); err != nil {
+		return nil, err
 	}
 	if s.root, err = os.MkdirTemp("", "idem-pgcluster-"); err != nil {
 		return nil, err
@@ -120,12 +118,28 @@ func (s *Set) startWatchdog() error {
 	return nil
 }
 
-func (s *Set) chown(path string) error {
-	if s.asUser == nil {
+func (s *Set) chown(path string) error { return Chown(s.asUser, path) }
+
+// ServerUser is the user to run PostgreSQL's servers as: "postgres" when
+// this process runs as root (initdb refuses root), else nil: ourselves.
+func ServerUser() (*user.User, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("pgcluster: running as root, and initdb refuses root: %w", err)
+	}
+	return u, nil
+}
+
+// Chown gives path to u (from ServerUser); nothing when u is nil.
+func Chown(u *user.User, path string) error {
+	if u == nil {
 		return nil
 	}
-	uid, _ := strconv.Atoi(s.asUser.Uid)
-	gid, _ := strconv.Atoi(s.asUser.Gid)
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
 	return os.Chown(path, uid, gid)
 }
 
@@ -183,8 +197,8 @@ type Cluster struct {
 	paused  []int // processes stopped with SIGSTOP
 }
 
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on.
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that nothing listens on.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -259,7 +273,7 @@ func (c *Cluster) Standby(name string, conf ...string) (*Cluster, error) {
 }
 
 func (s *Set) newCluster(name string) (*Cluster, error) {
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		return nil, err
 	}
