@@ -49,6 +49,8 @@ const ledger = `CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id text NOT
 // 2xx is lost, none ran twice, and every answer to an event is the same.
 func TestAutoFailoverLosesAndDoublesNothing(t *testing.T) {
 	start := time.Now()
+	built := make(chan string, 1)
+	go func() { built <- buildCLI(t) }() // meanwhile
 	f := newFormation(t)
 	t.Logf("formation up in %v", time.Since(start).Round(time.Second))
 	url := f.url("postgres")
@@ -60,7 +62,8 @@ func TestAutoFailoverLosesAndDoublesNothing(t *testing.T) {
 	require.NoError(t, idem.Migrate(ctx, db, ""))
 	_, err = db.Exec(ledger)
 	require.NoError(t, err)
-	cli := buildCLI(t)
+	cli := <-built
+	require.NotEmpty(t, cli, "the idem command did not build")
 
 	// The healthy pair: commits wait for the secondary.
 	f.await("the secondary to confirm commits", func() (bool, error) {
@@ -146,12 +149,15 @@ func TestAutoFailoverLosesAndDoublesNothing(t *testing.T) {
 	assert.Equal(t, int(s.events.Load()), len(ran), "every event processed")
 }
 
-// buildCLI builds the idem command.
+// buildCLI builds the idem command and returns its path, or "" (the test
+// has failed then).
 func buildCLI(t *testing.T) string {
-	t.Helper()
 	bin := filepath.Join(t.TempDir(), "idem")
 	out, err := exec.Command("go", "build", "-o", bin, "github.com/pgidem/idem/cmd/idem").CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
+	if err != nil {
+		t.Errorf("go build: %v: %s", err, out)
+		return ""
+	}
 	return bin
 }
 
