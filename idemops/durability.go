@@ -64,7 +64,8 @@ func (d Durability) Synchronous() bool {
 // seconds to alert, or to stop acknowledging events, while Synchronous is
 // false (after a failover, until a standby is back). It reports the
 // server of one of db's connections: with a multi-host URL, the one the
-// pool connects to. With a pgx pool, use idempgx.ReadDurability.
+// pool connects to. With a pgx pool, pass stdlib.OpenDBFromPool(pool),
+// opened once.
 func ReadDurability(ctx context.Context, db *sql.DB) (Durability, error) {
 	d, err := readDurability(ctx, db)
 	if err != nil {

@@ -40,13 +40,15 @@ import (
 // database of pool, where Migrate has created the table. Every field of
 // opts means what it means for idem.New; TxOptions' isolation level and
 // read-only flag become the BEGIN statement. New does not touch the
-// database: a database that is down answers 503 per request. It logs a
-// warning (to opts.Logger) when the pool's connection string names more
-// than one host without connect_timeout: a host that does not answer would
-// hold up every new connection (docs/ha.md). With
+// database: a database that is down answers 503 per request. With
 // TxOptions nil, the transactions are READ COMMITTED, stated in their BEGIN
 // whatever the server's default_transaction_isolation: the claim is built
 // for it.
+//
+// New logs a warning (to opts.Logger) when the pool's connection string
+// names more than one host without connect_timeout: a host that does not
+// answer (a frozen primary) would hold up every new connection, and the
+// next host would never be tried (docs/ha.md).
 func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if pool == nil {
 		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
