@@ -38,7 +38,7 @@ var monitorSettings = []string{
 }
 
 // stateBound bounds each wait for the formation to reach a state.
-const stateBound = 90 * time.Second
+const stateBound = 2 * time.Minute
 
 // formation is a pg_auto_failover monitor and its data nodes, each a
 // pg_autoctl process (with its PostgreSQL) in a process group of its own,
