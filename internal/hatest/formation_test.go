@@ -86,7 +86,8 @@ func newFormation(t *testing.T) *formation {
 		require.NoError(t, os.Mkdir(filepath.Join(f.dir, d), 0o700))
 		require.NoError(t, pgcluster.Chown(f.asUser, filepath.Join(f.dir, d)))
 	}
-	require.NoError(t, f.startWatchdog())
+	f.watchdog, err = pgcluster.StartWatchdog(watchdogScript, f.dir)
+	require.NoError(t, err)
 	t.Cleanup(f.close)
 
 	f.monitor = f.newMember("monitor")
@@ -115,24 +116,17 @@ func newFormation(t *testing.T) *formation {
 	return f
 }
 
-// watchdogScript kills the process groups listed in $1/pgids and removes
-// the directory $1 once the process $2 is gone: nothing outlives a test
-// binary killed by its -timeout or a signal.
+// watchdogScript stops the process groups listed in $1/pgids and the
+// postmasters of $1 (SIGQUIT: an immediate stop of pg_autoctl and of
+// PostgreSQL), kills what is left, and removes the directory $1 once the
+// process $2 is gone: nothing outlives a test binary killed by its
+// -timeout or a signal.
 const watchdogScript = `while kill -0 "$2" 2>/dev/null; do sleep 1; done
-[ -f "$1/pgids" ] && for g in $(cat "$1/pgids"); do kill -QUIT -- "-$g" 2>/dev/null; done
+for g in $(cat "$1/pgids" 2>/dev/null); do kill -QUIT -- "-$g" 2>/dev/null; done
+for f in "$1"/*/postmaster.pid; do [ -f "$f" ] && kill -QUIT "$(head -n 1 "$f")" 2>/dev/null; done
 sleep 3
-[ -f "$1/pgids" ] && for g in $(cat "$1/pgids"); do kill -KILL -- "-$g" 2>/dev/null; done
+for g in $(cat "$1/pgids" 2>/dev/null); do kill -KILL -- "-$g" 2>/dev/null; done
 rm -rf "$1"`
-
-func (f *formation) startWatchdog() error {
-	cmd := exec.Command("sh", "-c", watchdogScript, "hatest-watchdog", f.dir, strconv.Itoa(os.Getpid()))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	f.watchdog = cmd
-	return nil
-}
 
 // newMember names a member and gives it a free port.
 func (f *formation) newMember(name string) *member {

@@ -108,14 +108,22 @@ rm -rf "$1"`
 // startWatchdog starts a shell, in a process group of its own, that cleans
 // up after this process if it dies without calling Close (a test binary
 // killed by its -timeout, or by a signal): no server outlives the tests.
-func (s *Set) startWatchdog() error {
-	cmd := exec.Command("sh", "-c", watchdogScript, "pgcluster-watchdog", s.root, strconv.Itoa(os.Getpid()))
+func (s *Set) startWatchdog() (err error) {
+	s.watchdog, err = StartWatchdog(watchdogScript, s.root)
+	return err
+}
+
+// StartWatchdog starts the shell script, in a process group of its own,
+// with the directory dir as $1 and this process's id as $2: a script that
+// waits for this process to end, then stops what it started in dir and
+// removes dir. Kill the returned command once cleaned up normally.
+func StartWatchdog(script, dir string) (*exec.Cmd, error) {
+	cmd := exec.Command("sh", "-c", script, "watchdog", dir, strconv.Itoa(os.Getpid()))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
-		return err
+		return nil, err
 	}
-	s.watchdog = cmd
-	return nil
+	return cmd, nil
 }
 
 func (s *Set) chown(path string) error { return Chown(s.asUser, path) }
