@@ -138,7 +138,8 @@ func (m *Middleware) runDo(ctx context.Context, x *exchange, tx finisher, state 
 		// fn's own error: roll back the claim and fn's writes, so that a
 		// redelivery runs fn again.
 		if rbErr := tx.Rollback(ctx); rbErr != nil && ctx.Err() == nil {
-			m.log(x, slog.LevelWarn, "rollback failed", rbErr)
+			x.fail(OutcomeStoreError, connectionLost(0, fmt.Errorf("%w; fn returned: %w", rbErr, err)))
+			return
 		}
 		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: fn failed and was rolled back: %w", err)
 		m.log(x, slog.LevelInfo, "rolled back: fn returned an error", x.obs.Err)

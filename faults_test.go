@@ -32,17 +32,22 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 		name string
 		// queryAfter: the handler uses its transaction again after the
 		// kill (and answers 500 when that fails); otherwise it answers 201
-		// and the middleware's store of the answer is what fails.
-		queryAfter bool
-		want       int
+		// and the middleware's store of the answer is what fails. during:
+		// the backend is killed while the handler's statement runs (it
+		// answers 500 when that fails). Either way the sender gets idem's
+		// 503 with Retry-After: the store failed, not the handler.
+		queryAfter, during bool
+		lease              time.Duration
 	}{
-		{"the middleware's store of the answer fails", false, http.StatusServiceUnavailable},
-		{"the handler's next query fails", true, http.StatusInternalServerError},
+		{"the middleware's store of the answer fails", false, false, 0},
+		{"the handler's next query fails", true, false, 0},
+		{"the handler's statement is running", false, true, 0},
+		{"lease mode, the handler's statement is running", false, true, 20 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pids, release := make(chan int), make(chan struct{})
 			var f *fixture
-			f = newFixture(t, idem.Options{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			f = newFixture(t, idem.Options{Lease: tc.lease}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if f.runs.Load() > 1 {
 					f.ledgerHandler().ServeHTTP(w, r)
 					return
@@ -54,6 +59,13 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 					pid = 0
 				}
 				pids <- pid
+				if tc.during {
+					// Runs until its backend is terminated.
+					if _, err := tx.ExecContext(r.Context(), `SELECT pg_sleep(60)`); err != nil {
+						http.Error(w, "ledger write failed", http.StatusInternalServerError)
+						return
+					}
+				}
 				<-release
 				if tc.queryAfter {
 					if _, err := tx.ExecContext(r.Context(), `INSERT INTO `+f.ledger+` (event_id, body) VALUES ('evt_1', 'y')`); err != nil {
@@ -68,21 +80,16 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 			go func() { first <- f.post("evt_1", "{}") }()
 			pid := <-pids
 			require.NotZero(t, pid)
-			var gone bool
-			// With a timeout, pg_terminate_backend returns once the backend
-			// has exited (or false if it did not within the timeout).
-			require.NoError(t, f.db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
-			require.True(t, gone, "backend %d did not exit", pid)
+			if tc.during {
+				awaitSleeping(t, f.db, pid)
+			}
+			terminate(t, f.db, pid)
 			close(release)
 
 			r := <-first
-			assert.Equal(t, tc.want, r.status, "body: %s", r.body)
-			if r.status == http.StatusServiceUnavailable {
-				assert.Equal(t, "1", r.header.Get("Retry-After"))
-			}
-			if r.status >= 500 && r.header.Get("Content-Type") == "application/problem+json" {
-				assertNoInternals(t, r)
-			}
+			assert.Equal(t, http.StatusServiceUnavailable, r.status, "body: %s", r.body)
+			assert.Equal(t, "1", r.header.Get("Retry-After"))
+			assertNoInternals(t, r)
 			assert.Equal(t, 0, f.ledgerRows(), "the handler's write died with its backend")
 			assert.Equal(t, 0, f.keys(), "nothing stored")
 
@@ -96,6 +103,68 @@ func TestTerminatedBackendMidHandlerIsRolledBackAndRedeliveredOnce(t *testing.T)
 			assert.Equal(t, int64(2), f.runs.Load(), "the failed run and one redelivery")
 		})
 	}
+}
+
+// TestTerminatedBackendMidDoIsAStoreFailure: for Do, a connection that dies
+// during fn's statement is idem's ErrUnavailable (retry later), not fn's
+// own error, and the redelivery runs once.
+func TestTerminatedBackendMidDoIsAStoreFailure(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idem.Options{}, nil)
+	pids := make(chan int, 1)
+	type done struct {
+		res idem.Result
+		err error
+	}
+	first := make(chan done, 1)
+	go func() {
+		res, err := f.mw.Do(context.Background(), doKey("evt_1"), []byte("{}"), func(ctx context.Context) ([]byte, error) {
+			tx, _ := txFrom(ctx)
+			var pid int
+			if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				pids <- 0
+				return nil, err
+			}
+			pids <- pid
+			_, err := tx.ExecContext(ctx, `SELECT pg_sleep(60)`) // until its backend is terminated
+			return nil, err
+		})
+		first <- done{res, err}
+	}()
+	pid := <-pids
+	require.NotZero(t, pid)
+	awaitSleeping(t, f.db, pid)
+	terminate(t, f.db, pid)
+	d := <-first
+	require.ErrorIs(t, d.err, idem.ErrUnavailable)
+	assert.True(t, idem.Retryable(d.err))
+	assert.Positive(t, d.res.RetryAfter)
+	assert.Equal(t, 0, f.keys())
+
+	res, err := f.mw.Do(context.Background(), doKey("evt_1"), []byte("{}"), f.ledgerFn("evt_1"))
+	require.NoError(t, err)
+	assert.False(t, res.Replayed)
+	assert.Equal(t, 1, f.ledgerRows())
+}
+
+// awaitSleeping waits until the backend pid runs pg_sleep.
+func awaitSleeping(t *testing.T, db *sql.DB, pid int) {
+	t.Helper()
+	testdb.WaitFor(t, "pg_sleep to run", func() bool {
+		var n int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep'`, pid).Scan(&n))
+		return n == 1
+	})
+}
+
+// terminate ends the backend pid and returns once it has exited.
+func terminate(t *testing.T, db *sql.DB, pid int) {
+	t.Helper()
+	var gone bool
+	// With a timeout, pg_terminate_backend returns once the backend has
+	// exited (or false if it did not within the timeout).
+	require.NoError(t, db.QueryRow(`SELECT pg_terminate_backend($1, 30000)`, pid).Scan(&gone))
+	require.True(t, gone, "backend %d did not exit", pid)
 }
 
 // TestConnectionLossMidStormLosesAndDoublesNothing cuts the middleware's

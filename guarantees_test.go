@@ -40,6 +40,9 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	failover, err := filepath.Glob("internal/failover/*_test.go") // the tests with PostgreSQL clusters of their own
 	require.NoError(t, err)
 	files = append(files, failover...)
+	ha, err := filepath.Glob("internal/hatest/*_test.go") // under pg_auto_failover (build tag hatest)
+	require.NoError(t, err)
+	files = append(files, ha...)
 	providers, err := filepath.Glob("internal/providertest/*_test.go") // the verifying presets against the providers' libraries
 	require.NoError(t, err)
 	files = append(files, providers...)

@@ -3,9 +3,11 @@ package idem_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -13,6 +15,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/idempgx"
+	"github.com/pgidem/idem/internal/testdb"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -177,6 +180,32 @@ func TestIdempgxNewNeedsNoServer(t *testing.T) {
 	assert.Error(t, err)
 }
 
+// TestIdempgxNewWarnsOfAMultiHostURLWithoutConnectTimeout: a host that
+// does not answer would hold every new connection, and the next host would
+// never be tried; New says so, once, and still returns the middleware.
+func TestIdempgxNewWarnsOfAMultiHostURLWithoutConnectTimeout(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		url, warning string
+	}{
+		{"postgres://postgres@127.0.0.1:1,127.0.0.1:2/none?sslmode=disable&target_session_attrs=read-write", "names 2 hosts (127.0.0.1:1, 127.0.0.1:2) but no connect_timeout"},
+		{"postgres://postgres@127.0.0.1:1,127.0.0.1:2/none?sslmode=disable&target_session_attrs=read-write&connect_timeout=5", ""},
+		{"postgres://postgres@127.0.0.1:1/none?sslmode=disable", ""},
+	} {
+		var logs testdb.LogBuffer
+		_, err := idempgx.New(newPgxPool(t, tc.url), idem.Options{KeyFunc: idem.Header("test", "X-Event-Id"),
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		require.NoError(t, err)
+		if tc.warning == "" {
+			assert.Empty(t, logs.String(), tc.url)
+			continue
+		}
+		assert.Contains(t, logs.String(), "level=WARN")
+		assert.Contains(t, logs.String(), tc.warning)
+		assert.Equal(t, 1, strings.Count(logs.String(), "\n"), "one record")
+	}
+}
+
 // TestOperationsFromAPgxPool: sweep, check and stats take a *sql.DB; the
 // one-liner of docs/pgx.md, stdlib.OpenDBFromPool, gives them one on a pgx
 // pool's connections, and they see the keys idempgx stored.
@@ -197,6 +226,9 @@ func TestOperationsFromAPgxPool(t *testing.T) {
 	r, err := idemops.Check(ctx, db, idemops.CheckOptions{Table: f.table})
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), r.Rows)
+	d, err := idemops.ReadDurability(ctx, db)
+	require.NoError(t, err)
+	assert.Equal(t, r.Durability.Summary, d.Summary)
 	_, err = f.db.Exec(`UPDATE "` + f.table + `" SET claimed_at = now() - interval '60 days'`)
 	require.NoError(t, err)
 	res, err := idemops.Sweep(ctx, db, idemops.SweepOptions{Table: f.table})

@@ -308,6 +308,7 @@ import (
 	"errors"
 	"log"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"time"
@@ -328,6 +329,7 @@ var (
 	_ = log.Fatal
 	_ = slog.Default
 	_ = os.Getenv
+	_ = net.Dial
 	_ = time.Second
 	_ = stdlib.OpenDBFromPool
 	_ = idem.New

@@ -79,7 +79,11 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		// Not final: roll back the claim and the handler's writes, so the
 		// sender's retry runs again; send the handler's answer as it is.
 		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
-			m.log(x, slog.LevelWarn, "rollback failed", err)
+			// The claim's connection died under the handler (a failover,
+			// a terminated backend): its answer is most likely about that.
+			// A store failure, answered 503 with Retry-After.
+			x.fail(OutcomeStoreError, connectionLost(status, err))
+			return
 		}
 		x.obs.Outcome, x.obs.Err = OutcomeRolledBack, fmt.Errorf("idem: handler answered %d, not a final status", status)
 		if kind != rpcNone && m.finalStatus(status) {
@@ -239,6 +243,18 @@ func (m *Middleware) logLateCommit(key Key, method string, err error) {
 	m.logr().LogAttrs(context.Background(), level, msg,
 		slog.String("source", key.Source), slog.String("event_id", key.EventID),
 		slog.String("method", method), slog.Any("error", err))
+}
+
+// connectionLost is the problem of a claim whose rollback failed after the
+// handler answered status (not final, or, for Do, an error: 0): the claim's
+// connection died while the handler ran, so the store failed, whatever
+// the handler made of it. Nothing was committed.
+func connectionLost(status int, err error) *Problem {
+	what := fmt.Sprintf("the handler answered %d", status)
+	if status == 0 {
+		what = "fn returned an error"
+	}
+	return problemFor(fmt.Errorf("%w: the connection was lost while the handler ran (%s): %w", ErrUnavailable, what, err))
 }
 
 // finishProblem names why storing the answer or committing failed.

@@ -66,8 +66,9 @@ type Finding struct {
 	// Check names the assertion, stable for alert routing:
 	// "retention_below_horizon", "unanswered_keys", "stuck_claims",
 	// "expired_leases", "claims_not_visible", "keys_younger_than_horizon",
-	// "overdue_keys", and on a partitioned table "no_current_partition",
-	// "few_partitions_ahead".
+	// "overdue_keys", on a partitioned table "no_current_partition",
+	// "few_partitions_ahead", and with CheckOptions.RequireSynchronous
+	// "not_synchronous".
 	Check string
 	// What happened, with the numbers.
 	What string
@@ -98,6 +99,13 @@ type CheckOptions struct {
 	// OverdueGrace is how long past Retention a key may live before it
 	// counts as overdue. 0 means DefaultOverdueGrace (1h).
 	OverdueGrace time.Duration
+
+	// RequireSynchronous makes commits that do not wait for a synchronous
+	// standby (Durability.Synchronous false) a critical finding,
+	// "not_synchronous", instead of information: for a deployment whose
+	// events must survive a failover, so that the alarm fires while a new
+	// primary runs without its standby.
+	RequireSynchronous bool
 }
 
 // InFlightClaim is an open transaction that holds a claim: a session that
@@ -132,6 +140,8 @@ type Report struct {
 	Retention    time.Duration
 	StuckAfter   time.Duration
 	OverdueGrace time.Duration
+	// RequireSynchronous is CheckOptions.RequireSynchronous.
+	RequireSynchronous bool
 
 	Rows       int64     // committed keys
 	TableBytes int64     // the table with its indexes and TOAST
@@ -174,7 +184,7 @@ type Report struct {
 	Findings []Finding
 
 	// Durability is whether events answered 2xx survive a failover of the
-	// checked server: information, never a finding.
+	// checked server: information, a finding only with RequireSynchronous.
 	Durability Durability
 }
 
@@ -202,7 +212,9 @@ func (r *Report) Severity() Severity {
 // a Retention shorter than the Horizon (critical); keys deleted while
 // younger than the Horizon (warning: the oldest key is younger than the
 // Horizon although keys have been deleted); keys overdue for the sweeper
-// (warning); claim sessions the checking role may not see (warning).
+// (warning); claim sessions the checking role may not see (warning); with
+// RequireSynchronous, commits that wait for no synchronous standby
+// (critical).
 func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) {
 	t, err := catalog.ParseTable(opts.Table)
 	if err != nil {
@@ -214,6 +226,8 @@ func Check(ctx context.Context, db *sql.DB, opts CheckOptions) (*Report, error) 
 		Retention:    orDefault(opts.Retention, DefaultRetention),
 		StuckAfter:   orDefault(opts.StuckAfter, DefaultStuckAfter),
 		OverdueGrace: orDefault(opts.OverdueGrace, DefaultOverdueGrace),
+
+		RequireSynchronous: opts.RequireSynchronous,
 	}
 	for _, d := range []struct {
 		name string
@@ -333,6 +347,11 @@ func findings(r *Report) []Finding {
 		add(SeverityWarning, "overdue_keys",
 			fmt.Sprintf("%d key(s) are older than the retention (%v) plus %v: the sweeper is not running or not keeping up; the oldest key is %v old", r.OverdueRows, r.Retention, r.OverdueGrace, r.OldestAge.Round(time.Second)),
 			"Check that the sweep job runs and succeeds (its logs, the CronJob's last runs). If it stops at its batch cap every time, raise -batch or -max-batches, or run it more often.")
+	}
+	if r.RequireSynchronous && !r.Durability.Synchronous() {
+		add(SeverityCritical, "not_synchronous",
+			"commits do not wait for a synchronous standby: "+r.Durability.Summary,
+			"Bring a synchronous standby back. After a failover the new primary runs without one until the old primary rejoins or a new standby is added (pg_auto_failover: the node is in wait_primary; see docs/ha.md); until then events answered 2xx would be lost by another failover. If the server's synchronous_standby_names is set and no standby confirms, commits wait: start the standby. A managed service that replicates below PostgreSQL cannot pass this check: run it without -require-synchronous there.")
 	}
 	out = append(out, partitionFindings(r)...)
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Severity > out[j].Severity })

@@ -235,3 +235,45 @@ func TestCheckOfAPartitionedTableWatchesThePartitionsAhead(t *testing.T) {
 	assert.Empty(t, r.Findings, "the sweep added the current partition and those ahead")
 	assert.Equal(t, idem.DefaultPartitionsAhead, r.PartitionsAhead)
 }
+
+// Synchronous is true only on a primary whose commits wait for a standby
+// that confirms them now; ReadDurability reads the same state as Check
+// without the table (the test server has no standby: false; the HA test,
+// internal/hatest, reads it true on a synchronous pair and false in
+// wait_primary).
+func TestSynchronous(t *testing.T) {
+	t.Parallel()
+	confirmed := Durability{SynchronousCommit: "on", SynchronousStandbyNames: "ANY 1 (node_1, node_2)", SyncStandbys: []string{"node_2"}}
+	assert.True(t, confirmed.Synchronous())
+	for name, change := range map[string]func(*Durability){
+		"a standby":                                   func(d *Durability) { d.InRecovery = true },
+		"synchronous_commit local":                    func(d *Durability) { d.SynchronousCommit = "local" },
+		"synchronous_commit off":                      func(d *Durability) { d.SynchronousCommit = "off" },
+		"no synchronous_standby_names (wait_primary)": func(d *Durability) { d.SynchronousStandbyNames = "" },
+		"no standby confirms (commits wait)":          func(d *Durability) { d.SyncStandbys = nil },
+	} {
+		d := confirmed
+		change(&d)
+		assert.False(t, d.Synchronous(), name)
+	}
+	for _, level := range []string{"remote_apply", "remote_write"} {
+		d := confirmed
+		d.SynchronousCommit = level
+		assert.True(t, d.Synchronous(), level)
+	}
+
+	db := openDB(t)
+	d, err := ReadDurability(context.Background(), db)
+	require.NoError(t, err)
+	assert.False(t, d.Synchronous())
+	assert.Equal(t, "on", d.SynchronousCommit)
+	assert.Contains(t, d.Summary, "no synchronous standby")
+
+	table := newTable(t, db)
+	r, err := Check(context.Background(), db, CheckOptions{Table: table, RequireSynchronous: true})
+	require.NoError(t, err)
+	require.Len(t, r.Findings, 1)
+	assert.Equal(t, "not_synchronous", r.Findings[0].Check)
+	assert.Equal(t, SeverityCritical, r.Severity())
+	assert.Contains(t, r.Findings[0].What, d.Summary)
+}

@@ -35,8 +35,52 @@ type Durability struct {
 	Summary string
 }
 
+// Synchronous reports whether a commit on the checked server waits, now,
+// for a synchronous standby to confirm it, so that an event answered 2xx
+// survives a failover to that standby: the server is a primary,
+// synchronous_commit is on, remote_apply or remote_write, and a standby
+// named by synchronous_standby_names confirms commits (pg_stat_replication
+// sync_state "sync" or "quorum").
+//
+// It is false after a failover while the new primary runs without a
+// standby (pg_auto_failover's wait_primary, Patroni's synchronous mode
+// without a replica): commits are answered unreplicated. It is false too
+// when synchronous_standby_names is set but no standby confirms (commits
+// then wait), and when the role may not see the standbys' state (it needs
+// pg_read_all_stats). Storage-level replication (some managed services)
+// is invisible here: Synchronous is false there, whatever the service does.
+func (d Durability) Synchronous() bool {
+	switch d.SynchronousCommit {
+	case "on", "remote_apply", "remote_write":
+	default:
+		return false
+	}
+	return !d.InRecovery && d.SynchronousStandbyNames != "" && len(d.SyncStandbys) > 0
+}
+
+// ReadDurability reads what a commit on db's server waits for now: Check's
+// Report.Durability, without reading the idempotency table. It reads only
+// settings and pg_stat_replication, so a service can call it every few
+// seconds to alert, or to stop acknowledging events, while Synchronous is
+// false (after a failover, until a standby is back). It reports the
+// server of one of db's connections: with a multi-host URL, the one the
+// pool connects to. With a pgx pool, pass stdlib.OpenDBFromPool(pool),
+// opened once.
+func ReadDurability(ctx context.Context, db *sql.DB) (Durability, error) {
+	d, err := readDurability(ctx, db)
+	if err != nil {
+		return d, fmt.Errorf("idem: read durability: %w", err)
+	}
+	return d, nil
+}
+
+// queryRower is a *sql.DB, *sql.Conn or *sql.Tx.
+type queryRower interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
 // readDurability reads the server's replication settings and state.
-func readDurability(ctx context.Context, tx *sql.Tx) (Durability, error) {
+func readDurability(ctx context.Context, tx queryRower) (Durability, error) {
 	var (
 		d    Durability
 		sync string

@@ -23,6 +23,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,6 +31,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/connstr"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/summary"
 )
@@ -42,6 +44,11 @@ import (
 // TxOptions nil, the transactions are READ COMMITTED, stated in their BEGIN
 // whatever the server's default_transaction_isolation: the claim is built
 // for it.
+//
+// New logs a warning (to opts.Logger) when the pool's connection string
+// names more than one host without connect_timeout: a host that does not
+// answer (a frozen primary) would hold up every new connection, and the
+// next host would never be tried (docs/ha.md).
 func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if pool == nil {
 		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
@@ -49,6 +56,13 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	mw, err := driver.NewMiddleware(pgxPool{pool, int(pool.Config().MaxConns)}, opts)
 	if err != nil {
 		return nil, err
+	}
+	if w := connstr.Warning(&pool.Config().ConnConfig.Config); w != "" {
+		logger := opts.Logger
+		if logger == nil {
+			logger = slog.Default()
+		}
+		logger.LogAttrs(context.Background(), slog.LevelWarn, w)
 	}
 	return mw.(*idem.Middleware), nil
 }
@@ -221,7 +235,13 @@ func (t *pgxConn) Close(ctx context.Context) error {
 		return nil
 	}
 	var err error
-	if t.open && !t.c.IsClosed() && t.c.PgConn().TxStatus() != 'I' {
+	switch {
+	case t.open && t.c.IsClosed():
+		// The connection died with the transaction open (a failover, a
+		// terminated backend): rolled back by the server, if it lives;
+		// the engine answers a store failure.
+		err = errConnLost
+	case t.open && t.c.PgConn().TxStatus() != 'I':
 		// Bounded, after the request's own deadline: past it the
 		// connection is closed, which rolls back too.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -235,6 +255,10 @@ func (t *pgxConn) Close(ctx context.Context) error {
 	t.conn.Release()
 	return err
 }
+
+// errConnLost is Close's error when the connection closed while a
+// transaction was open on it.
+var errConnLost = errors.New("idem: the connection closed with the transaction open")
 
 // txOptions are pgx's options for database/sql's, which package claims
 // has validated (driver.IsoLevel).

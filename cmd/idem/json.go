@@ -45,10 +45,13 @@ type partitionDoc struct {
 }
 
 type durabilityDoc struct {
-	Summary           string   `json:"summary"`
-	InRecovery        bool     `json:"in_recovery"`
-	SynchronousCommit string   `json:"synchronous_commit"`
-	SyncStandbys      []string `json:"sync_standbys"`
+	Summary                 string   `json:"summary"`
+	Synchronous             bool     `json:"synchronous"`
+	Required                bool     `json:"required"`
+	InRecovery              bool     `json:"in_recovery"`
+	SynchronousCommit       string   `json:"synchronous_commit"`
+	SynchronousStandbyNames string   `json:"synchronous_standby_names"`
+	SyncStandbys            []string `json:"sync_standbys"`
 }
 
 type findingDoc struct {
@@ -83,9 +86,10 @@ func reportJSON(r *idemops.Report) checkDoc {
 		OverdueKeys: r.OverdueRows, UnansweredKeys: r.Unanswered,
 		LiveLeases: r.LiveLeases, ExpiredLeases: r.ExpiredLeases, InFlight: r.InFlight,
 		Durability: durabilityDoc{
-			Summary: r.Durability.Summary, InRecovery: r.Durability.InRecovery,
-			SynchronousCommit: r.Durability.SynchronousCommit,
-			SyncStandbys:      append([]string{}, r.Durability.SyncStandbys...),
+			Summary: r.Durability.Summary, Synchronous: r.Durability.Synchronous(), Required: r.RequireSynchronous,
+			InRecovery: r.Durability.InRecovery, SynchronousCommit: r.Durability.SynchronousCommit,
+			SynchronousStandbyNames: r.Durability.SynchronousStandbyNames,
+			SyncStandbys:            append([]string{}, r.Durability.SyncStandbys...),
 		},
 		Findings:         []findingDoc{},
 		StuckClaims:      []claimDoc{},

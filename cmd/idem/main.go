@@ -5,6 +5,7 @@
 //	idem migrate -partition-interval 24h create it partitioned by day (docs/partitioning.md)
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
+//	idem check -require-synchronous      and critical while commits wait for no synchronous standby
 //	idem stats                           keys by source, completed and in flight
 //	idem keys show -source S -id ID      one key: state, times, stored answer
 //	idem keys list -state stuck          keys in a state, newest first
@@ -39,9 +40,11 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemops"
+	"github.com/pgidem/idem/internal/connstr"
 	"github.com/pgidem/idem/internal/migration"
 )
 
@@ -174,6 +177,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *dbURL == "" {
 		return fail(errors.New("no database: set -database-url or DATABASE_URL"))
 	}
+	if cfg, err := pgconn.ParseConfig(*dbURL); err == nil { // a bad URL: sql.Open or the ping says why
+		if w := connstr.Warning(cfg); w != "" {
+			fmt.Fprintf(stderr, "idem %s: warning: %s\n", cmd.name, strings.TrimPrefix(w, "idem: "))
+		}
+	}
 	db, err := sql.Open("pgx", *dbURL)
 	if err != nil {
 		return fail(err)
@@ -284,6 +292,7 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 	retention := fs.Duration("retention", idemops.DefaultRetention, "the sweeper's -retention")
 	stuck := fs.Duration("stuck-after", idemops.DefaultStuckAfter, "report claims in flight for longer than this")
 	grace := fs.Duration("overdue-grace", idemops.DefaultOverdueGrace, "how long past -retention a key may live before the sweeper counts as stalled")
+	requireSync := fs.Bool("require-synchronous", false, "report commits that do not wait for a synchronous standby as critical (exit 2): an alarm for the time a new primary runs without its standby after a failover (docs/ha.md)")
 	asJSON := fs.Bool("json", false, "print the report as one JSON document (docs/operations.md); the exit code is the same")
 	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
 		for name, d := range map[string]time.Duration{"-horizon": *horizon, "-retention": *retention, "-stuck-after": *stuck, "-overdue-grace": *grace} {
@@ -293,6 +302,7 @@ func checkFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writ
 		}
 		r, err := idemops.Check(ctx, db, idemops.CheckOptions{
 			Table: table, Horizon: *horizon, Retention: *retention, StuckAfter: *stuck, OverdueGrace: *grace,
+			RequireSynchronous: *requireSync,
 		})
 		if err != nil {
 			return 0, err
@@ -334,7 +344,14 @@ func printReport(w io.Writer, r *idemops.Report) {
 	fmt.Fprintf(w, "keys without an answer: %d\n", r.Unanswered)
 	fmt.Fprintf(w, "leases: %d live, %d expired (lease mode: handlers at work, and crashed originals awaiting a redelivery)\n", r.LiveLeases, r.ExpiredLeases)
 	fmt.Fprintf(w, "claims in flight: %d (stuck: %d, in flight for longer than %v)\n", r.InFlight, len(r.Stuck), r.StuckAfter)
-	fmt.Fprintf(w, "durability (information): %s\n", r.Durability.Summary)
+	switch {
+	case !r.RequireSynchronous:
+		fmt.Fprintf(w, "durability (information): %s\n", r.Durability.Summary)
+	case r.Durability.Synchronous():
+		fmt.Fprintf(w, "durability (required: synchronous): %s\n", r.Durability.Summary)
+	default:
+		fmt.Fprintf(w, "durability (required: synchronous, NOT MET): %s\n", r.Durability.Summary)
+	}
 	for _, f := range r.Findings {
 		fmt.Fprintf(w, "\n%s %s: %s\n  what to do: %s\n", strings.ToUpper(f.Severity.String()), f.Check, f.What, f.Action)
 		switch f.Check {

@@ -231,6 +231,29 @@ func TestCLI(t *testing.T) {
 		assertOneLineError(t, c.run(testURL, "migrate", "-table", "a.b.c"), "idem migrate: ", "at most one dot")
 	})
 
+	t.Run("a multi-host URL without connect_timeout is warned of on stderr", func(t *testing.T) {
+		c := cli{t, c.bin}
+		t.Parallel()
+		table := c.table()
+		u, err := url.Parse(testURL)
+		require.NoError(t, err)
+		q := u.Query()
+		q.Del("connect_timeout")
+		u.RawQuery = q.Encode()
+		u.Host += ",localhost:1" // never tried: the first host answers
+		r := c.run(u.String(), "check", "-table", table)
+		require.Equal(t, exitOK, r.code, "a warning, not a failure: %+v", r)
+		assert.Contains(t, r.stderr, "idem check: warning: the connection string names 2 hosts")
+		assert.Contains(t, r.stderr, "no connect_timeout")
+		assert.Equal(t, 1, strings.Count(r.stderr, "\n"), "one line: %q", r.stderr)
+
+		q.Set("connect_timeout", "5")
+		u.RawQuery = q.Encode()
+		r = c.run(u.String(), "check", "-table", table)
+		require.Equal(t, exitOK, r.code, "%+v", r)
+		assert.Empty(t, r.stderr)
+	})
+
 	t.Run("migrate creates the table, says so, and can run again", func(t *testing.T) {
 		c := cli{t, c.bin}
 		t.Parallel()
@@ -347,6 +370,13 @@ func TestCLI(t *testing.T) {
 		assert.Contains(t, r.stdout, "durability (information): no synchronous standby", "the test server has no standby; never a finding")
 		assert.Empty(t, r.stderr)
 
+		// Required, the same state is a critical finding (the HA test,
+		// internal/hatest, checks a synchronous pair and wait_primary).
+		r = c.run(testURL, "check", "-table", table, "-horizon", "72h", "-require-synchronous")
+		require.Equal(t, exitCritical, r.code, "%+v", r)
+		assert.Contains(t, r.stdout, "durability (required: synchronous, NOT MET): no synchronous standby")
+		assert.Contains(t, r.stdout, "CRITICAL not_synchronous: commits do not wait for a synchronous standby")
+
 		insert(t, table, "overdue_", 2, 40*day, false)
 		r = c.run(testURL, "check", "-table", table)
 		require.Equal(t, exitWarning, r.code, "%+v", r)
@@ -386,6 +416,19 @@ func TestCLI(t *testing.T) {
 		assert.Contains(t, dur["summary"], "no synchronous standby")
 		assert.Equal(t, false, dur["in_recovery"])
 		assert.Equal(t, []any{}, dur["sync_standbys"])
+		assert.Equal(t, false, dur["synchronous"])
+		assert.Equal(t, false, dur["required"])
+		assert.Equal(t, "", dur["synchronous_standby_names"])
+
+		r = c.run(testURL, "check", "-table", table, "-json", "-require-synchronous")
+		require.Equal(t, exitCritical, r.code, "%+v", r)
+		doc = parseJSON(t, r.stdout)
+		dur = doc["durability"].(map[string]any)
+		assert.Equal(t, true, dur["required"])
+		assert.Equal(t, false, dur["synchronous"])
+		findings := doc["findings"].([]any)
+		require.Len(t, findings, 1)
+		assert.Equal(t, "not_synchronous", findings[0].(map[string]any)["check"])
 
 		insert(t, table, "overdue_", 2, 40*day, false)
 		insert(t, table, "lost_", 1, time.Hour, true)

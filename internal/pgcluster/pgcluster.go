@@ -75,10 +75,8 @@ func NewSet() (*Set, error) {
 		return nil, err
 	}
 	s := &Set{bin: bin}
-	if os.Geteuid() == 0 {
-		if s.asUser, err = user.Lookup("postgres"); err != nil {
-			return nil, fmt.Errorf("pgcluster: running as root, and initdb refuses root: %w", err)
-		}
+	if s.asUser, err = ServerUser(); err != nil {
+		return nil, err
 	}
 	if s.root, err = os.MkdirTemp("", "idem-pgcluster-"); err != nil {
 		return nil, err
@@ -110,22 +108,46 @@ rm -rf "$1"`
 // startWatchdog starts a shell, in a process group of its own, that cleans
 // up after this process if it dies without calling Close (a test binary
 // killed by its -timeout, or by a signal): no server outlives the tests.
-func (s *Set) startWatchdog() error {
-	cmd := exec.Command("sh", "-c", watchdogScript, "pgcluster-watchdog", s.root, strconv.Itoa(os.Getpid()))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	s.watchdog = cmd
-	return nil
+func (s *Set) startWatchdog() (err error) {
+	s.watchdog, err = StartWatchdog(watchdogScript, s.root)
+	return err
 }
 
-func (s *Set) chown(path string) error {
-	if s.asUser == nil {
+// StartWatchdog starts the shell script, in a process group of its own,
+// with the directory dir as $1 and this process's id as $2: a script that
+// waits for this process to end, then stops what it started in dir and
+// removes dir. Kill the returned command once cleaned up normally.
+func StartWatchdog(script, dir string) (*exec.Cmd, error) {
+	cmd := exec.Command("sh", "-c", script, "watchdog", dir, strconv.Itoa(os.Getpid()))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return cmd, nil
+}
+
+func (s *Set) chown(path string) error { return Chown(s.asUser, path) }
+
+// ServerUser is the user to run PostgreSQL's servers as: "postgres" when
+// this process runs as root (initdb refuses root), else nil: ourselves.
+func ServerUser() (*user.User, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("pgcluster: running as root, and initdb refuses root: %w", err)
+	}
+	return u, nil
+}
+
+// Chown gives path to u (from ServerUser); nothing when u is nil.
+func Chown(u *user.User, path string) error {
+	if u == nil {
 		return nil
 	}
-	uid, _ := strconv.Atoi(s.asUser.Uid)
-	gid, _ := strconv.Atoi(s.asUser.Gid)
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
 	return os.Chown(path, uid, gid)
 }
 
@@ -183,8 +205,8 @@ type Cluster struct {
 	paused  []int // processes stopped with SIGSTOP
 }
 
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on.
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that nothing listens on.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -259,7 +281,7 @@ func (c *Cluster) Standby(name string, conf ...string) (*Cluster, error) {
 }
 
 func (s *Set) newCluster(name string) (*Cluster, error) {
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		return nil, err
 	}
