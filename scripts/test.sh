@@ -73,6 +73,11 @@ browser() {
 # connect is a requirement of no published module.
 connecttest() { cd internal/connecttest && go vet ./... && go test -race -count=1 ./...; }
 [ -f internal/connecttest/go.mod ] && modules+=("connecttest module (Connect, gRPC and gRPC-Web through the HTTP middleware): go vet + go test -race" connecttest --)
+# idem under pg_auto_failover (internal/hatest, build tag hatest): a monitor
+# and two nodes as the postgres user on free ports, a switchover and a kill
+# of the primary mid-storm, both adapters (.ci/run installs pg_auto_failover).
+hatest() { go test -tags hatest -race -count=1 -timeout 10m ./internal/hatest; }
+modules+=("pg_auto_failover: a switchover and a kill of the primary mid-storm (go test -tags hatest)" hatest --)
 [ -f internal/providertest/go.mod ] && modules+=("providertest module: go vet + go test -race" providertest --)
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
 # Releases (RELEASING.md): what each public module's zip would hold, from
