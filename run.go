@@ -127,7 +127,14 @@ func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, statu
 	}
 	commitCtx, endCommit := m.phase(ctx, PhaseCommit, x.obs.Key)
 	if endCommit != nil {
-		defer func() { endCommit(err) }()
+		defer func() {
+			cause := err
+			if err != nil { // named as the answer names it: ErrLeaseExpired, ErrUnavailable, ...
+				p, _ := m.finishProblem(ctx, err)
+				cause = p.Err
+			}
+			endCommit(cause)
+		}()
 	}
 	c := &pendingCommit{m: m, ctx: commitCtx, tx: tx, args: x.args, key: x.obs.Key, method: x.obs.Method,
 		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
