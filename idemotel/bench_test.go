@@ -1,0 +1,117 @@
+package idemotel_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemotel"
+	"github.com/pgidem/idem/idempgx"
+)
+
+// discard is a span exporter that drops what it gets: the cost measured
+// is idemotel's and the SDK's, not an exporter's.
+type discard struct{}
+
+func (discard) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+func (discard) Shutdown(context.Context) error                             { return nil }
+
+var benchRun atomic.Int64
+
+// BenchmarkNewEvent: every request a key never seen, through the
+// middleware alone (observer=none) and with idemotel's Observe and OnPhase
+// on a sampling SDK (a batch span processor, a metric reader), the two run
+// in turn on each adapter: run it with -count to interleave them. The
+// ratio of their ns/op is idemotel's cost on a new event.
+func BenchmarkNewEvent(b *testing.B) {
+	for _, adapter := range adapters {
+		for _, obs := range []string{"none", "idemotel"} {
+			b.Run("adapter="+strings.ReplaceAll(adapter, "/", "")+"/observer="+obs, func(b *testing.B) {
+				h := benchHandler(b, adapter, obs == "idemotel")
+				prefix := fmt.Sprintf("bench-%d-", benchRun.Add(1))
+				var seq, bad atomic.Int64
+				b.ReportAllocs()
+				b.SetParallelism(4)
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						id := prefix + strconv.FormatInt(seq.Add(1), 10)
+						req := httptest.NewRequest(http.MethodPost, "/", strings.NewReader(`{"id":"`+id+`"}`))
+						req.Header.Set("X-Event-Id", id)
+						rec := httptest.NewRecorder()
+						h.ServeHTTP(rec, req)
+						if rec.Code != http.StatusOK {
+							bad.Add(1)
+						}
+					}
+				})
+				b.StopTimer()
+				if n := bad.Load(); n > 0 {
+					b.Fatalf("%d of %d requests failed", n, b.N)
+				}
+			})
+		}
+	}
+}
+
+// benchHandler is the middleware around a handler that writes one row in
+// its transaction, on a table of its own.
+func benchHandler(b *testing.B, adapter string, traced bool) http.Handler {
+	b.Helper()
+	n := seq.Add(1)
+	table, ledger := fmt.Sprintf("bench_keys_%d", n), fmt.Sprintf("bench_ledger_%d", n)
+	require.NoError(b, idem.Migrate(context.Background(), db, table))
+	_, err := db.Exec(`CREATE TABLE ` + ledger + ` (id bigserial PRIMARY KEY, event_id text NOT NULL)`)
+	require.NoError(b, err)
+	opts := idem.Options{Table: table, KeyFunc: idem.Header("bench", "X-Event-Id"),
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if traced {
+		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discard{}))
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+		b.Cleanup(func() {
+			_ = tp.Shutdown(context.Background())
+			_ = mp.Shutdown(context.Background())
+		})
+		tel, err := idemotel.New(idemotel.WithTracerProvider(tp), idemotel.WithMeterProvider(mp))
+		require.NoError(b, err)
+		opts.Observer, opts.OnPhase = tel.Observe, tel.OnPhase
+	}
+	q := `INSERT INTO ` + ledger + ` (event_id) VALUES ($1)`
+	var mw *idem.Middleware
+	if adapter == "pgx" {
+		pool, err := pgxpool.New(context.Background(), dbURL)
+		require.NoError(b, err)
+		b.Cleanup(pool.Close)
+		mw, err = idempgx.New(pool, opts)
+		require.NoError(b, err)
+	} else {
+		mw, err = idem.New(db, opts)
+		require.NoError(b, err)
+	}
+	return mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var err error
+		if tx, ok := idem.Tx(r.Context()); ok {
+			_, err = tx.ExecContext(r.Context(), q, r.Header.Get("X-Event-Id"))
+		} else if tx, ok := idempgx.Tx(r.Context()); ok {
+			_, err = tx.Exec(r.Context(), q, r.Header.Get("X-Event-Id"))
+		}
+		if err != nil {
+			http.Error(w, "write failed", http.StatusInternalServerError)
+			return
+		}
+		_, _ = io.WriteString(w, `{"ok":true}`)
+	}))
+}
