@@ -199,20 +199,8 @@ func TestSpansOfANewEventAndItsReplays(t *testing.T) {
 
 func TestSpanOfADuplicateAnswered409AfterWaiting(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
-		entered, release := make(chan struct{}), make(chan struct{})
-		var once sync.Once
 		w := newWorld(t, adapter, setup{opts: idem.Options{LockWait: 300 * time.Millisecond}})
-		w.handle = func(*http.Request) {
-			first := false
-			once.Do(func() { first = true })
-			if first {
-				close(entered)
-				<-release
-			}
-		}
-		var opened sync.Once
-		open := func() { opened.Do(func() { close(release) }) }
-		t.Cleanup(open)
+		entered, open := w.holdFirst()
 		orig := w.postAsync("evt_w", `{}`)
 		<-entered
 		require.Equal(t, http.StatusConflict, w.post("evt_w", `{}`))
@@ -247,20 +235,8 @@ func TestSpanOfADuplicateAnswered409AfterWaiting(t *testing.T) {
 // redelivery (took_over), and is then fenced: its answer is not stored.
 func TestSpansOfATakeoverAndTheFencedOriginal(t *testing.T) {
 	forAdapters(t, func(t *testing.T, adapter string) {
-		entered, release := make(chan struct{}), make(chan struct{})
-		var once sync.Once
 		w := newWorld(t, adapter, setup{opts: idem.Options{Lease: 200 * time.Millisecond, HandlerTimeout: 20 * time.Second}})
-		w.handle = func(*http.Request) {
-			first := false
-			once.Do(func() { first = true })
-			if first {
-				close(entered)
-				<-release
-			}
-		}
-		var opened sync.Once
-		open := func() { opened.Do(func() { close(release) }) }
-		t.Cleanup(open)
+		entered, open := w.holdFirst()
 		orig := w.postAsync("evt_l", `{}`)
 		<-entered
 		w.leaseOver("evt_l")

@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -218,19 +219,45 @@ func (w *world) ledgerHandler(rw http.ResponseWriter, r *http.Request) {
 	if w.handle != nil {
 		w.handle(r)
 	}
-	q := `INSERT INTO ` + w.ledger + ` (event_id) VALUES ($1)`
-	var err error
-	if tx, ok := idem.Tx(r.Context()); ok {
-		_, err = tx.ExecContext(r.Context(), q, r.Header.Get("X-Event-Id"))
-	} else if tx, ok := idempgx.Tx(r.Context()); ok {
-		_, err = tx.Exec(r.Context(), q, r.Header.Get("X-Event-Id"))
+	writeLedger(w.ledger)(rw, r)
+}
+
+// writeLedger is a handler that writes the event's row into ledger in
+// idem's transaction, on either adapter, and answers 200.
+func writeLedger(ledger string) http.HandlerFunc {
+	q := `INSERT INTO ` + ledger + ` (event_id) VALUES ($1)`
+	return func(rw http.ResponseWriter, r *http.Request) {
+		var err error
+		if tx, ok := idem.Tx(r.Context()); ok {
+			_, err = tx.ExecContext(r.Context(), q, r.Header.Get("X-Event-Id"))
+		} else if tx, ok := idempgx.Tx(r.Context()); ok {
+			_, err = tx.Exec(r.Context(), q, r.Header.Get("X-Event-Id"))
+		}
+		if err != nil {
+			http.Error(rw, "write failed", http.StatusInternalServerError)
+			return
+		}
+		rw.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(rw, `{"ok":true}`)
 	}
-	if err != nil {
-		http.Error(rw, "write failed", http.StatusInternalServerError)
-		return
+}
+
+// holdFirst makes the handler's first run wait: entered closes when it
+// starts waiting, and open lets it go on (also when the test ends).
+func (w *world) holdFirst() (entered <-chan struct{}, open func()) {
+	in, release := make(chan struct{}), make(chan struct{})
+	var first, opened sync.Once
+	w.handle = func(*http.Request) {
+		held := false
+		first.Do(func() { held = true })
+		if held {
+			close(in)
+			<-release
+		}
 	}
-	rw.Header().Set("Content-Type", "application/json")
-	_, _ = io.WriteString(rw, `{"ok":true}`)
+	open = func() { opened.Do(func() { close(release) }) }
+	w.t.Cleanup(open)
+	return in, open
 }
 
 // post delivers event id with body and returns the status.
