@@ -292,16 +292,6 @@ type delivery struct {
 	source string // the metric attribute
 }
 
-// phaseRun is one phase's span and start.
-type phaseRun struct {
-	i      *Instrumentation
-	ctx    context.Context
-	p      idem.Phase
-	span   trace.Span
-	start  time.Time
-	source string
-}
-
 // OnPhase starts the span of a delivery ("idem <source>") or of one of its
 // phases, and returns the context that carries it and the function that
 // ends it. Pass it as idem.Options.OnPhase.
@@ -318,29 +308,30 @@ func (i *Instrumentation) OnPhase(ctx context.Context, p idem.Phase, key idem.Ke
 	if int(p) >= len(phaseSpanNames) || phaseSpanNames[p] == "" {
 		return ctx, nil // a phase this version does not know
 	}
-	r := &phaseRun{i: i, p: p, start: time.Now()}
+	source := ""
 	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
-		r.source = d.source
+		source = d.source
 	} else {
-		r.source = i.label(key.Source)
+		source = i.label(key.Source)
 	}
-	r.ctx, r.span = i.tracer.Start(ctx, phaseSpanNames[p])
-	return r.ctx, r.end
+	start := time.Now()
+	ctx, span := i.tracer.Start(ctx, phaseSpanNames[p])
+	return ctx, func(err error) { i.endPhase(ctx, p, span, start, source, err) }
 }
 
-// end ends a phase's span and records its duration.
-func (r *phaseRun) end(err error) {
-	opt := r.i.set(r.source, "")
+// endPhase ends a phase's span and records its duration.
+func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace.Span, start time.Time, source string, err error) {
+	opt := i.set(source, "")
 	if typ, failed := errorType(err); failed {
-		r.span.SetStatus(codes.Error, typ)
-		r.span.SetAttributes(attrErrorType.String(typ))
-		opt = metric.WithAttributes(AttrSource.String(r.source), attrErrorType.String(typ))
-		if r.source == "" {
+		span.SetStatus(codes.Error, typ)
+		span.SetAttributes(attrErrorType.String(typ))
+		opt = metric.WithAttributes(AttrSource.String(source), attrErrorType.String(typ))
+		if source == "" {
 			opt = metric.WithAttributes(attrErrorType.String(typ))
 		}
 	}
-	r.span.End()
-	r.i.durations[r.p].Record(r.ctx, time.Since(r.start).Seconds(), opt)
+	span.End()
+	i.durations[p].Record(ctx, time.Since(start).Seconds(), opt)
 }
 
 // end ends a delivery's span; Observe, called just before, has set its
@@ -372,14 +363,16 @@ func (i *Instrumentation) Observe(o idem.Observation) {
 		}
 	}
 	if d.span.IsRecording() {
-		d.span.SetAttributes(AttrOutcome.String(outcome), AttrTookOver.Bool(o.TookOver), AttrCached.Bool(o.Cached))
+		var buf [5]attribute.KeyValue // one SetAttributes: the span's slice grows once
+		attrs := append(buf[:0], AttrOutcome.String(outcome), AttrTookOver.Bool(o.TookOver), AttrCached.Bool(o.Cached))
 		if o.Wait > 0 {
-			d.span.SetAttributes(AttrWaitDuration.Float64(o.Wait.Seconds()))
+			attrs = append(attrs, AttrWaitDuration.Float64(o.Wait.Seconds()))
 		}
 		if failed(o.Outcome) {
 			d.span.SetStatus(codes.Error, outcome)
-			d.span.SetAttributes(attrErrorType.String(outcome))
+			attrs = append(attrs, attrErrorType.String(outcome))
 		}
+		d.span.SetAttributes(attrs...)
 	}
 	if !traced {
 		d.span.End()
