@@ -231,6 +231,54 @@ func TestSpanOfADuplicateAnswered409AfterWaiting(t *testing.T) {
 	})
 }
 
+// A duplicate on another instance waits in PostgreSQL, holding a
+// connection (the gauge says so while it waits), inside its claim; then it
+// replays the original's answer.
+func TestSpanOfADuplicateWaitingInPostgreSQL(t *testing.T) {
+	forAdapters(t, func(t *testing.T, adapter string) {
+		w := newWorld(t, adapter, setup{})
+		entered, open := w.holdFirst()
+		orig := w.postAsync("evt_pg", `{}`)
+		<-entered
+		mw2, other := w.another()
+		reg, err := w.tel.Watch(mw2, attribute.String("instance", "other"))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = reg.Unregister() })
+		dup := make(chan int, 1)
+		go func() { dup <- w.postTo(other, "evt_pg", `{}`) }()
+		deadline := time.Now().Add(10 * time.Second) // no event says "waiting": poll
+		for mw2.Stats().WaitingInPostgres != 1 {
+			require.True(t, time.Now().Before(deadline), "the duplicate never waited in PostgreSQL")
+			time.Sleep(5 * time.Millisecond)
+		}
+		assert.Equal(t, int64(1), gauge(t, w.metrics(), "idem.waiting.connections"))
+		open()
+		require.Equal(t, http.StatusOK, <-orig)
+		require.Equal(t, http.StatusOK, <-dup)
+		assert.Equal(t, int64(0), gauge(t, w.metrics(), "idem.waiting.connections"))
+
+		s := w.ended()
+		var replayed sdktrace.ReadOnlySpan
+		for _, sp := range s.named("idem test") {
+			if attrs(sp)[idemotel.AttrOutcome].AsString() == "replayed" {
+				replayed = sp
+			}
+		}
+		require.NotNil(t, replayed)
+		assert.Positive(t, attrs(replayed)[idemotel.AttrWaitDuration].AsFloat64())
+		assert.Equal(t, []string{"idem.claim"}, withoutSQL(s.children(replayed)))
+		for _, claim := range s.named("idem.claim") {
+			if claim.Parent().SpanID() == replayed.SpanContext().SpanID() {
+				assert.Equal(t, []string{"idem.wait"}, withoutSQL(s.children(claim)), "the wait in PostgreSQL is inside the claim")
+				if adapter == "pgx" {
+					wait := s.one(t, "idem.wait")
+					assert.Positive(t, s.sqlUnder(wait), "the waiting statement nests under idem.wait")
+				}
+			}
+		}
+	})
+}
+
 // A lease-mode original that outlives its lease is taken over by a
 // redelivery (took_over), and is then fenced: its answer is not stored.
 func TestSpansOfATakeoverAndTheFencedOriginal(t *testing.T) {
@@ -240,7 +288,8 @@ func TestSpansOfATakeoverAndTheFencedOriginal(t *testing.T) {
 		orig := w.postAsync("evt_l", `{}`)
 		<-entered
 		w.leaseOver("evt_l")
-		require.Equal(t, http.StatusOK, w.postTo(w.another(), "evt_l", `{}`), "a redelivery to another instance takes the key over")
+		_, other := w.another()
+		require.Equal(t, http.StatusOK, w.postTo(other, "evt_l", `{}`), "a redelivery to another instance takes the key over")
 		open()
 		require.Equal(t, http.StatusConflict, <-orig, "the original is fenced")
 		assert.Equal(t, 1, w.ledgerRows())

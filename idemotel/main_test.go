@@ -136,7 +136,7 @@ type world struct {
 	handle func(r *http.Request)
 	// another starts another instance of the middleware on w's table, as
 	// another process would, and returns its server.
-	another func() *httptest.Server
+	another func() (*idem.Middleware, *httptest.Server)
 }
 
 // setup is what a test changes: the middleware's options (OnPhase and
@@ -180,10 +180,7 @@ func newWorld(t testing.TB, adapter string, s setup) *world {
 	reg, err := w.tel.Watch(w.mw)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = reg.Unregister() })
-	w.another = func() *httptest.Server {
-		_, srv := w.instance(opts, mp)
-		return srv
-	}
+	w.another = func() (*idem.Middleware, *httptest.Server) { return w.instance(opts, mp) }
 	return w
 }
 
