@@ -41,7 +41,7 @@
 //     original whose lease ran out (a crashed or frozen original).
 //   - idem.cached: the answer was replayed from this instance's memory,
 //     without the database.
-//   - idem.wait.duration: seconds spent waiting for an original of the
+//   - idem.waited: seconds spent waiting for an original of the
 //     key, when there was a wait.
 //   - idem.event_id: the key's event id, only with WithEventID: in some
 //     APIs an idempotency key is a secret, or personal data, and traces
@@ -117,13 +117,13 @@ const Version = "0.1.0"
 
 // The attributes idemotel records; see the package doc.
 const (
-	AttrSource       = attribute.Key("idem.source")
-	AttrOutcome      = attribute.Key("idem.outcome")
-	AttrTookOver     = attribute.Key("idem.took_over")
-	AttrCached       = attribute.Key("idem.cached")
-	AttrWaitDuration = attribute.Key("idem.wait.duration")
-	AttrEventID      = attribute.Key("idem.event_id")
-	attrErrorType    = attribute.Key("error.type")
+	AttrSource    = attribute.Key("idem.source")
+	AttrOutcome   = attribute.Key("idem.outcome")
+	AttrTookOver  = attribute.Key("idem.took_over")
+	AttrCached    = attribute.Key("idem.cached")
+	AttrWaited    = attribute.Key("idem.waited")
+	AttrEventID   = attribute.Key("idem.event_id")
+	attrErrorType = attribute.Key("error.type")
 )
 
 // DurationBoundaries are the explicit bucket boundaries of the phase
@@ -366,7 +366,7 @@ func (i *Instrumentation) Observe(o idem.Observation) {
 		var buf [5]attribute.KeyValue // one SetAttributes: the span's slice grows once
 		attrs := append(buf[:0], AttrOutcome.String(outcome), AttrTookOver.Bool(o.TookOver), AttrCached.Bool(o.Cached))
 		if o.Wait > 0 {
-			attrs = append(attrs, AttrWaitDuration.Float64(o.Wait.Seconds()))
+			attrs = append(attrs, AttrWaited.Float64(o.Wait.Seconds()))
 		}
 		if failed(o.Outcome) {
 			d.span.SetStatus(codes.Error, outcome)

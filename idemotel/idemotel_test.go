@@ -146,7 +146,7 @@ func TestSpansOfANewEventAndItsReplays(t *testing.T) {
 		assert.False(t, a[idemotel.AttrTookOver].AsBool())
 		assert.False(t, a[idemotel.AttrCached].AsBool())
 		assert.NotContains(t, a, idemotel.AttrEventID, "the event id is recorded only when allowed")
-		assert.NotContains(t, a, idemotel.AttrWaitDuration)
+		assert.NotContains(t, a, idemotel.AttrWaited)
 		assert.Equal(t, codes.Unset, delivery.Status().Code)
 		if adapter == "pgx" {
 			assert.Positive(t, s.sqlUnder(claim), "the claim's SQL nests under idem.claim")
@@ -216,7 +216,7 @@ func TestSpanOfADuplicateAnswered409AfterWaiting(t *testing.T) {
 		}
 		require.NotNil(t, dup, "the duplicate's span")
 		a := attrs(dup)
-		assert.Positive(t, a[idemotel.AttrWaitDuration].AsFloat64())
+		assert.Positive(t, a[idemotel.AttrWaited].AsFloat64())
 		assert.Equal(t, codes.Unset, dup.Status().Code, "a 409 is an answer, not a failure")
 		assert.Equal(t, []string{"idem.wait"}, s.children(dup), "it waited in memory for the original on this instance")
 		var wait sdktrace.ReadOnlySpan
@@ -265,7 +265,7 @@ func TestSpanOfADuplicateWaitingInPostgreSQL(t *testing.T) {
 			}
 		}
 		require.NotNil(t, replayed)
-		assert.Positive(t, attrs(replayed)[idemotel.AttrWaitDuration].AsFloat64())
+		assert.Positive(t, attrs(replayed)[idemotel.AttrWaited].AsFloat64())
 		assert.Equal(t, []string{"idem.claim"}, withoutSQL(s.children(replayed)))
 		for _, claim := range s.named("idem.claim") {
 			if claim.Parent().SpanID() == replayed.SpanContext().SpanID() {
