@@ -111,7 +111,7 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 // slot in memory, having given their connection back. When deadline passes
 // first, the error is errWaitOver; the Begun's Tx, the transaction to roll
 // back, may then be nil.
-func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (driver.Begun, error) {
+func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *driver.Args, deadline *time.Time, waited *time.Duration) (begun driver.Begun, err error) {
 	if deadline.IsZero() {
 		*deadline = time.Now().Add(m.lockWait)
 	}
@@ -119,6 +119,17 @@ func (m *Middleware) waitForOriginal(ctx context.Context, tx driver.Tx, a *drive
 	defer func() { *waited += time.Since(start) }()
 	if time.Until(*deadline) <= 0 {
 		return driver.Begun{Tx: tx}, errWaitOver
+	}
+	if m.onPhase != nil {
+		var end func(error)
+		ctx, end = m.phase(ctx, PhaseWait, Key{Source: a.Source, EventID: a.EventID})
+		defer func() {
+			cause := err
+			if errors.Is(cause, errWaitOver) {
+				cause = ErrInFlight
+			}
+			endPhase(end, cause)
+		}()
 	}
 	limit := waitLimit(m.drv.PoolCap())
 	if !m.waiting.tryAcquire(limit) {

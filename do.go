@@ -79,6 +79,7 @@ func (m *Middleware) Do(ctx context.Context, key Key, payload []byte, fn func(ct
 		panic("idem: Do needs a function to run")
 	}
 	x := &exchange{m: m, call: &doCall{ctx: ctx, fn: fn}, payload: payload, start: time.Now()}
+	x.obs.Context = ctx
 	if err := validateKey(key); err != nil {
 		if errors.Is(err, ErrNoKey) { // for Do, an empty key is an invalid one
 			err = fmt.Errorf("%w: %s", ErrInvalidKey, strings.TrimPrefix(err.Error(), ErrNoKey.Error()+": "))
@@ -112,16 +113,21 @@ var doHeaders = []byte("{}")
 // run's counterpart for Do.
 func (m *Middleware) runDo(ctx context.Context, x *exchange, tx finisher, state reqState) {
 	finished := false
+	var endHandler func(error)
 	defer func() {
 		if !finished { // fn panicked: the panic goes on
+			err := errors.New("idem: handler panicked")
+			endPhase(endHandler, err)
 			_ = tx.Rollback(ctx)
-			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, errors.New("idem: handler panicked")
+			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, err
 			x.observe()
 		}
 	}()
 	x.state = state
-	value, err := x.call.fn(context.WithValue(ctx, ctxKey{}, &x.state))
+	fnCtx, endHandler := m.phase(ctx, PhaseHandler, x.obs.Key)
+	value, err := x.call.fn(context.WithValue(fnCtx, ctxKey{}, &x.state))
 	finished = true
+	endPhase(endHandler, err)
 
 	switch {
 	case ctx.Err() != nil:

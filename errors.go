@@ -115,6 +115,14 @@ type Problem struct {
 	leaseLeft time.Duration // for a duplicate of a lease-mode original: its lease's time left
 }
 
+// cause is p.Err, or nil for no problem.
+func (p *Problem) cause() error {
+	if p == nil {
+		return nil
+	}
+	return p.Err
+}
+
 // Problem type URIs, one per kind of answer.
 const problemBase = "https://github.com/pgidem/idem/blob/main/docs/problems.md#"
 

@@ -45,7 +45,9 @@ const releaseTimeout = 5 * time.Second
 func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
-	l, p, o := m.claimLease(ctx, &x.args)
+	claimCtx, endClaim := m.phase(ctx, PhaseClaim, key)
+	l, p, o := m.claimLease(claimCtx, &x.args)
+	endPhase(endClaim, p.cause())
 	if p != nil {
 		x.fail(o, p)
 		return

@@ -35,6 +35,7 @@ type Middleware struct {
 	logger         *slog.Logger
 	errorHandler   func(http.ResponseWriter, *http.Request, *Problem)
 	observer       func(Observation)
+	onPhase        func(context.Context, Phase, Key) (context.Context, func(error))
 	cache          *replayCache
 	flights        flights   // the deliveries of each key running on this instance
 	waiting        waitSlots // claims waiting in PostgreSQL for an original
@@ -187,11 +188,13 @@ type exchange struct {
 	state   reqState    // what the handler's context carries
 	body    bodyReader  // the handler's r.Body
 	args    driver.Args // the key's claim
+	// endDelivery ends PhaseDelivery, after the Observer (Options.OnPhase).
+	endDelivery func(error)
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	x := &exchange{m: m, w: w, r: r, next: next, start: time.Now()}
-	x.obs.Method = r.Method
+	x.obs.Method, x.obs.Context = r.Method, r.Context()
 
 	buf := getBuffer()
 	defer putBuffer(buf) // the handler must not use r.Body after it returns (net/http's rule too)
@@ -222,6 +225,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // once the replay cache has not answered, or the context of Do's caller.
 func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 	digest := sha256.Sum256(x.payload)
+	if m.onPhase != nil {
+		ctx, x.endDelivery = m.phase(ctx, PhaseDelivery, key)
+		x.obs.Context = ctx
+	}
 
 	if x.replayCached(key, digest[:], x.start) {
 		return
@@ -251,16 +258,19 @@ func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 			return
 		}
 		waitStart := time.Now()
-		done := m.flights.await(ctx, busy, deadline)
+		waitCtx, endWait := m.phase(ctx, PhaseWait, key)
+		done := m.flights.await(waitCtx, busy, deadline)
 		x.obs.Wait += time.Since(waitStart)
 		if !done {
 			err := ErrInFlight
 			if ctx.Err() != nil { // Do's caller gave up first
 				err = fmt.Errorf("%w: %w", ErrInFlight, context.Cause(ctx))
 			}
+			endPhase(endWait, err)
 			x.fail(OutcomeInFlight, problemFor(err))
 			return
 		}
+		endPhase(endWait, nil)
 		if x.replayCached(key, digest[:], time.Now()) {
 			return
 		}
@@ -277,7 +287,9 @@ func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 	// instance; HandlerTimeout counts from when the key is claimed.
 	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
 	defer cancel()
-	c := m.claim(ctx, &x.args, deadline)
+	claimCtx, endClaim := m.phase(ctx, PhaseClaim, key)
+	c := m.claim(claimCtx, &x.args, deadline)
+	endPhase(endClaim, c.problem.cause())
 	x.obs.TookOver = c.tookOver
 	x.obs.Wait += c.waited
 	switch {

@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"context"
 	"log/slog"
 	"strconv"
 	"time"
@@ -63,14 +64,115 @@ type Observation struct {
 	Cached   bool          // replayed from this instance's memory, without the database
 	TookOver bool          // the key had a lease-mode claim whose lease ran out (a crashed original), and this request took it over
 	Err      error         // the cause, for every outcome but completed and replayed
+	// Context is the request's context (r.Context()), or the one Do was
+	// called with, so that an observer can reach the active span or the
+	// request's values. Once the key is known and Options.OnPhase is set,
+	// it is the context OnPhase returned for PhaseDelivery.
+	Context context.Context
+}
+
+// Observers returns an Observer that hands each Observation to each of
+// observers in turn, skipping nil ones: to feed Prometheus and
+// OpenTelemetry both, say, as Options.Observer takes one function.
+func Observers(observers ...func(Observation)) func(Observation) {
+	var all []func(Observation)
+	for _, o := range observers {
+		if o != nil {
+			all = append(all, o)
+		}
+	}
+	return func(o Observation) {
+		for _, f := range all {
+			f(o)
+		}
+	}
+}
+
+// Phase is one step of a delivery, for Options.OnPhase.
+type Phase int
+
+// The phases OnPhase sees, each with its start and its end.
+const (
+	// PhaseDelivery: the whole delivery, from when its key is known until
+	// its answer is ready (the Observer is called just before it ends).
+	// The other phases run inside it.
+	PhaseDelivery Phase = iota + 1
+	// PhaseClaim: beginning the transaction and claiming the key, or
+	// finding its stored answer in the database; a wait in PostgreSQL for
+	// an original (PhaseWait) runs inside it.
+	PhaseClaim
+	// PhaseWait: a duplicate waiting for an original of its key in flight,
+	// in memory on this instance (before PhaseClaim) or in PostgreSQL
+	// (inside PhaseClaim, holding a connection).
+	PhaseWait
+	// PhaseHandler: the wrapped handler, or Do's fn; the context it gets
+	// derives from the one OnPhase returned.
+	PhaseHandler
+	// PhaseCommit: storing the answer and committing (in lease mode, the
+	// fenced completion).
+	PhaseCommit
+)
+
+// phase starts phase p of the delivery of key, when Options.OnPhase is set,
+// and returns the context to run it with and the function that ends it
+// (nil when there is nothing to end: pass it to endPhase).
+func (m *Middleware) phase(ctx context.Context, p Phase, key Key) (context.Context, func(error)) {
+	if m.onPhase == nil {
+		return ctx, nil
+	}
+	c, end := m.onPhase(ctx, p, key)
+	if c == nil {
+		c = ctx
+	}
+	return c, end
+}
+
+// endPhase ends a phase that phase started.
+func endPhase(end func(error), err error) {
+	if end != nil {
+		end(err)
+	}
+}
+
+// Stats is what a Middleware holds at one moment, for gauges.
+type Stats struct {
+	ReplayCacheBytes   int64 // the heap the replay cache holds, as Options.ReplayCacheBytes counts it
+	ReplayCacheEntries int   // the answers in the replay cache
+	// WaitingInPostgres counts the duplicates waiting in PostgreSQL for an
+	// original in flight on another instance, each holding a pooled
+	// connection (at most a quarter of the pool's cap).
+	WaitingInPostgres int
+	// WaitingInMemory counts the duplicates waiting in memory, holding no
+	// connection, for a delivery of their key on this instance.
+	WaitingInMemory int
+}
+
+// Stats returns what m holds now: its replay cache, and the duplicates
+// waiting for an original. It is cheap enough for a metrics scrape.
+func (m *Middleware) Stats() Stats {
+	var s Stats
+	if !m.cache.disabled {
+		m.cache.mu.Lock()
+		s.ReplayCacheBytes, s.ReplayCacheEntries = m.cache.size, len(m.cache.entries)
+		m.cache.mu.Unlock()
+	}
+	m.waiting.mu.Lock()
+	s.WaitingInPostgres = m.waiting.used
+	m.waiting.mu.Unlock()
+	s.WaitingInMemory = int(m.flights.waiters.Load())
+	return s
 }
 
 func (x *exchange) observe() {
-	if x.m.observer == nil {
-		return
+	if x.m.observer != nil {
+		x.obs.Duration = time.Since(x.start)
+		x.m.observer(x.obs)
 	}
-	x.obs.Duration = time.Since(x.start)
-	x.m.observer(x.obs)
+	if x.endDelivery != nil {
+		end := x.endDelivery
+		x.endDelivery = nil
+		end(x.obs.Err)
+	}
 }
 
 // logr is Options.Logger, or slog.Default() as it is now.

@@ -199,6 +199,18 @@ type Options struct {
 	// a panic, when the handler returns). It runs on the request's
 	// goroutine: keep it fast (count, don't block).
 	Observer func(Observation)
+
+	// OnPhase, if set, is called at the start of each phase of a delivery
+	// (PhaseDelivery, PhaseClaim, PhaseWait, PhaseHandler, PhaseCommit)
+	// with the context the phase would run with, and the key; the context
+	// it returns is the one the phase runs with (its SQL statements, the
+	// handler), and the function it returns, if not nil, is called when
+	// the phase ends, with the error it failed with, if any. It is for
+	// tracing (package idemotel starts a span per phase, so that the SQL
+	// spans of a traced driver nest under them). Phases run on the
+	// request's goroutine but for PhaseCommit's end, which may come on
+	// another; keep it fast. nil costs nothing.
+	OnPhase func(ctx context.Context, p Phase, key Key) (context.Context, func(err error))
 }
 
 // newMiddleware validates opts and builds the engine, which claims keys
@@ -223,6 +235,7 @@ func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
 		logger:         opts.Logger,
 		errorHandler:   opts.ErrorHandler,
 		observer:       opts.Observer,
+		onPhase:        opts.OnPhase,
 	}
 	switch {
 	case opts.LockWait == 0:

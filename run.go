@@ -26,10 +26,13 @@ type finisher interface {
 // the claim).
 func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state reqState, body []byte, next http.Handler) {
 	finished := false
+	var endHandler func(error)
 	defer func() {
 		if !finished { // the handler panicked: the panic goes on, nothing is sent
+			err := errors.New("idem: handler panicked")
+			endPhase(endHandler, err)
 			_ = tx.Rollback(ctx)
-			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, errors.New("idem: handler panicked")
+			x.obs.Outcome, x.obs.Err = OutcomeRolledBack, err
 			x.observe()
 		}
 	}()
@@ -46,12 +49,14 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 		}
 	}()
 	x.state = state
-	r2 := x.r.WithContext(context.WithValue(ctx, ctxKey{}, &x.state))
+	hctx, endHandler := m.phase(ctx, PhaseHandler, x.obs.Key)
+	r2 := x.r.WithContext(context.WithValue(hctx, ctxKey{}, &x.state))
 	x.body.Reset(body)
 	r2.Body = &x.body
 	r2.ContentLength = int64(len(body))
 	next.ServeHTTP(rec, r2)
 	finished = true
+	endPhase(endHandler, nil)
 
 	status := rec.finalStatus()
 	kind := rpcKindOf(rec.header) // a gRPC answer is 200 whatever its outcome
@@ -126,15 +131,25 @@ var errCommitPending = errors.New("idem: the COMMIT had not answered by the dead
 // lock (duplicates are answered 409) until the standby confirms (a
 // redelivery then gets the stored answer) or the primary goes away (the key
 // is free again on the new primary). See docs/durability.md.
-func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, status int, headers, answer []byte) error {
+func (m *Middleware) commit(ctx context.Context, x *exchange, tx finisher, status int, headers, answer []byte) (err error) {
 	if err := ctx.Err(); err != nil { // the handler returned past its deadline
 		_ = tx.Rollback(ctx)
 		return err
 	}
-	c := &pendingCommit{m: m, ctx: ctx, tx: tx, args: x.args, key: x.obs.Key, method: x.obs.Method,
+	commitCtx, endCommit := m.phase(ctx, PhaseCommit, x.obs.Key)
+	if endCommit != nil {
+		defer func() {
+			cause := err
+			if err != nil { // named as the answer names it: ErrLeaseExpired, ErrUnavailable, ...
+				p, _ := m.finishProblem(ctx, err)
+				cause = p.Err
+			}
+			endCommit(cause)
+		}()
+	}
+	c := &pendingCommit{m: m, ctx: commitCtx, tx: tx, args: x.args, key: x.obs.Key, method: x.obs.Method,
 		status: status, headers: headers, answer: answer, done: make(chan error, 1)}
 	startCommit(c)
-	var err error
 	select {
 	case err = <-c.done:
 	case <-ctx.Done():

@@ -9,11 +9,16 @@ import (
 )
 
 // The root package holds what a handler's author needs; operators' tooling
-// lives beside it (package idemops). This keeps it so: at most 50 top-level
+// lives beside it (package idemops). This keeps it so: at most 53 top-level
 // exported names other than constants (funcs, methods of exported types,
-// types, vars). Raising the bound is a decision, not a side effect.
+// types, vars). Raising the bound is a decision, not a side effect: it was
+// 50 until OpenTelemetry (package idemotel) needed four names that only the
+// engine can provide: Phase (Options.OnPhase, so the driver's SQL spans nest
+// under idem's), Stats and Middleware.Stats (the replay cache's size and
+// the connections waiting duplicates hold, for gauges), and Observers (to
+// feed idemprom and idemotel from one Options.Observer).
 func TestRootSurfaceStaysSmall(t *testing.T) {
-	const most = 50
+	const most = 53
 	var names []string
 	for _, f := range parseSources(t, ".") {
 		for _, d := range f.Decls {
