@@ -139,6 +139,7 @@ rehearse idemgrpc github.com/pgidem/idem github.com/pgidem/idem/idemgrpc
 rehearse idemnats github.com/pgidem/idem github.com/pgidem/idem/idemnats
 rehearse idemwatermill github.com/pgidem/idem github.com/pgidem/idem/idemwatermill
 rehearse idemrabbitmq github.com/pgidem/idem github.com/pgidem/idem/idemrabbitmq
+rehearse idemotel github.com/pgidem/idem github.com/pgidem/idem/idemotel
 rehearse_alone idemgin github.com/pgidem/idem/idemgin
 rehearse_alone idemprom github.com/pgidem/idem/idemprom
 rehearse_alone idemui github.com/pgidem/idem/idemui
@@ -146,6 +147,7 @@ rehearse_alone idemgrpc github.com/pgidem/idem/idemgrpc
 rehearse_alone idemnats github.com/pgidem/idem/idemnats
 rehearse_alone idemwatermill github.com/pgidem/idem/idemwatermill
 rehearse_alone idemrabbitmq github.com/pgidem/idem/idemrabbitmq
+rehearse_alone idemotel github.com/pgidem/idem/idemotel
 echo "-- go install github.com/pgidem/idem/cmd/idem@$version"
 go install -trimpath "github.com/pgidem/idem/cmd/idem@$version" 2>&1 | { grep -v '^go: downloading' || true; }
 usage=$("$GOBIN/idem" -h)

@@ -86,7 +86,7 @@ func TestZipsOfThisRepository(t *testing.T) {
 	if code := run([]string{"zips", "-tree", tree}, &stdout, &stderr); code != 0 {
 		t.Fatalf("modcheck zips at HEAD: exit %d\n%s%s", code, stdout.String(), stderr.String())
 	}
-	for _, want := range []string{"github.com/pgidem/idem: ", "github.com/pgidem/idem/idemgin: ", "github.com/pgidem/idem/idemprom: ", "github.com/pgidem/idem/idemui: ", "github.com/pgidem/idem/idemgrpc: ", "github.com/pgidem/idem/idemrabbitmq: ", "github.com/pgidem/idem/idemwatermill: ", "github.com/pgidem/idem/idemnats: "} {
+	for _, want := range []string{"github.com/pgidem/idem: ", "github.com/pgidem/idem/idemgin: ", "github.com/pgidem/idem/idemprom: ", "github.com/pgidem/idem/idemui: ", "github.com/pgidem/idem/idemgrpc: ", "github.com/pgidem/idem/idemotel: ", "github.com/pgidem/idem/idemrabbitmq: ", "github.com/pgidem/idem/idemwatermill: ", "github.com/pgidem/idem/idemnats: "} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("the report does not name %q:\n%s", want, stdout.String())
 		}

@@ -19,7 +19,7 @@ import (
 var (
 	// published are the modules users go get, each tagged on its own
 	// (RELEASING.md).
-	published = []string{".", "idemgin", "idemprom", "idemui", "idemgrpc", "idemnats", "idemwatermill", "idemrabbitmq"}
+	published = []string{".", "idemgin", "idemprom", "idemui", "idemgrpc", "idemnats", "idemwatermill", "idemrabbitmq", "idemotel"}
 	// unpublished are modules that only this repository uses.
 	unpublished = []string{"examples", "bench", "internal/browsertest", "internal/providertest", "internal/connecttest", "internal/tools/modcheck"}
 )
