@@ -12,7 +12,8 @@
 //	cc, err := cons.Consume(c.Handle)
 //
 // cons must be a durable consumer with AckExplicit. A message's key is its
-// Nats-Msg-Id header, or its stream and stream sequence, under the source
+// Nats-Msg-Id header, or its stream, the consumer's creation time and its
+// stream sequence, under the source
 // "nats:<stream>/<durable>"; a redelivery, to this process or another, of
 // a message whose handler committed is acked without running it again.
 //

@@ -113,10 +113,12 @@ func WithHeartbeat(d time.Duration) Option {
 // Consumer runs a Handler exactly once per message key, on a middleware's
 // table. Its Handle method is what consumer.Consume takes.
 type Consumer struct {
-	mw        *idem.Middleware
-	fn        Handler
-	stream    string
-	source    string
+	mw     *idem.Middleware
+	fn     Handler
+	stream string
+	source string
+	epoch  string // the consumer's creation time: this incarnation of it and its stream
+
 	heartbeat time.Duration
 	config
 }
@@ -131,8 +133,14 @@ type Consumer struct {
 // WithSourcePrefix's prefix, if set); EventID the message's
 // Nats-Msg-Id header (the publisher's id, which JetStream also dedups
 // within the stream's duplicate window) when present and not empty,
-// otherwise "<stream>:<stream sequence>", which stays the same across
-// redeliveries of one stored message. The payload whose digest is stored
+// otherwise "<stream>:<consumer created>:<stream sequence>" (the
+// consumer's creation time in Unix nanoseconds, from its info), which stays
+// the same across redeliveries of one stored message and changes when the
+// stream (and so the consumer) is deleted and created again: its sequence
+// restarts at 1, and a new message must not be taken for an old one. A
+// durable consumer deleted and created again on the same stream also
+// starts new keys: messages without Nats-Msg-Id it delivers again then run
+// again. The payload whose digest is stored
 // is the body (WithDigest sets another).
 //
 // Use it as
@@ -164,6 +172,7 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 		return nil, errors.New("idemnats: durations must not be negative")
 	}
 	c.stream = info.Stream
+	c.epoch = strconv.FormatInt(info.Created.UnixNano(), 10)
 	c.source = c.prefix + SourcePrefix + info.Stream + "/" + info.Config.Durable
 	if err := validSource(c.source); err != nil {
 		return nil, err
@@ -221,7 +230,7 @@ func (c *Consumer) key(msg jetstream.Msg, meta *jetstream.MsgMetadata) idem.Key 
 	if id := msg.Headers().Get(jetstream.MsgIDHeader); id != "" {
 		return idem.Key{Source: c.source, EventID: id}
 	}
-	return idem.Key{Source: c.source, EventID: meta.Stream + ":" + strconv.FormatUint(meta.Sequence.Stream, 10)}
+	return idem.Key{Source: c.source, EventID: meta.Stream + ":" + c.epoch + ":" + strconv.FormatUint(meta.Sequence.Stream, 10)}
 }
 
 // Handle handles one delivery of a message, as HandleContext does with

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -66,11 +67,38 @@ func TestAMessageWithoutMsgIDIsKeyedByStreamSequence(t *testing.T) {
 			m := next(t, cons)
 			key, err := c.Key(m)
 			require.NoError(t, err)
-			assert.Equal(t, idem.Key{Source: "nats:" + w.stream + "/worker", EventID: w.stream + ":" + itoa(want)}, key)
+			created := strconv.FormatInt(info(t, cons).Created.UnixNano(), 10)
+			assert.Equal(t, idem.Key{Source: "nats:" + w.stream + "/worker", EventID: w.stream + ":" + created + ":" + itoa(want)}, key)
 			require.NoError(t, c.HandleContext(t.Context(), m))
 		}
 		assert.Equal(t, 2, w.count(w.ledger, ""))
 		eventually(t, "nothing left unacked", settled(t, cons))
+	})
+}
+
+func TestAStreamCreatedAgainDoesNotReplayItsNewMessagesWithoutMsgID(t *testing.T) {
+	t.Parallel()
+	forAdapters(t, func(t *testing.T, adapter string) {
+		w := newWorld(t, adapter, idem.Options{})
+		cons := w.consumer(jetstream.ConsumerConfig{})
+		c := w.handler(cons, nil)
+		require.EqualValues(t, 1, w.publish("", []byte("before")))
+		require.NoError(t, c.HandleContext(t.Context(), next(t, cons)))
+
+		// The stream is deleted and created again: its sequence restarts
+		// at 1, and so does the consumer's creation time.
+		require.NoError(t, js.DeleteStream(t.Context(), w.stream))
+		_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: w.stream, Subjects: []string{w.subject}})
+		require.NoError(t, err)
+		cons = w.consumer(jetstream.ConsumerConfig{})
+		c = w.handler(cons, nil)
+		require.EqualValues(t, 1, w.publish("", []byte("after")))
+		m := &spy{Msg: next(t, cons)}
+		require.NoError(t, c.HandleContext(t.Context(), m), "a new message, not a mismatch with the old one")
+		assert.Equal(t, []string{"Ack"}, m.got())
+		assert.Equal(t, 2, w.count(w.runs, ""), "the new message ran: it was not replayed")
+		assert.Equal(t, 2, w.count(w.ledger, ""))
+		assert.Equal(t, 2, w.keys())
 	})
 }
 
