@@ -32,5 +32,6 @@
 //
 // Handlers that run longer than the consumer's AckWait keep their message
 // with InProgress() every AckWait/2; in lease mode (idem.Options.Lease) the
-// same beat extends the key's lease (idem.ExtendLease). See docs/nats.md.
+// same beat extends the key's lease (idem.ExtendLease): pass the lease with
+// WithLease, and the beat is at most a third of it. See docs/nats.md.
 package idemnats

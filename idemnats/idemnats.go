@@ -58,6 +58,7 @@ type config struct {
 	logger     *slog.Logger
 	retryDelay time.Duration
 	heartbeat  time.Duration
+	lease      time.Duration
 }
 
 // WithSourcePrefix puts prefix before the derived source of every key
@@ -104,10 +105,20 @@ func WithRetryDelay(d time.Duration) Option {
 // WithHeartbeat sets how often a message being handled (or held for an
 // original in flight) is kept with InProgress(), and, in lease mode, its
 // lease extended with idem.ExtendLease. 0 means half the consumer's
-// AckWait. In lease mode keep it well under idem.Options.Lease (a third of
-// it): a Lease longer than the consumer's AckWait suits the default.
+// AckWait, or a third of WithLease's lease if that is shorter. In lease
+// mode keep it well under idem.Options.Lease (a third of it).
 func WithHeartbeat(d time.Duration) Option {
 	return func(c *config) { c.heartbeat = d }
+}
+
+// WithLease tells the consumer the middleware's idem.Options.Lease (give
+// the same value), for the default heartbeat: a third of the lease when
+// that is shorter than half the consumer's AckWait, so that the lease is
+// extended before it runs out. Without it, a Lease under about half the
+// AckWait runs out before the first beat. 0 (the default) means the
+// middleware is not in lease mode, or its lease is long enough.
+func WithLease(lease time.Duration) Option {
+	return func(c *config) { c.lease = lease }
 }
 
 // Consumer runs a Handler exactly once per message key, on a middleware's
@@ -168,7 +179,7 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 		return nil, fmt.Errorf("%w: consumer %q on stream %q is ephemeral: its name changes from one process to the next, so a redelivery to another process would run again; create it with a Durable name", ErrConsumer, info.Name, info.Stream)
 	case info.Config.AckPolicy != jetstream.AckExplicitPolicy:
 		return nil, fmt.Errorf("%w: consumer %q has ack policy %s; idem acks each message after its commit and needs AckExplicit", ErrConsumer, info.Name, info.Config.AckPolicy)
-	case c.retryDelay < 0 || c.heartbeat < 0:
+	case c.retryDelay < 0 || c.heartbeat < 0 || c.lease < 0:
 		return nil, errors.New("idemnats: durations must not be negative")
 	}
 	c.stream = info.Stream
@@ -192,9 +203,12 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 	c.heartbeat = c.config.heartbeat
 	if c.heartbeat == 0 {
 		c.heartbeat = info.Config.AckWait / 2
-	}
-	if c.heartbeat <= 0 {
-		c.heartbeat = 15 * time.Second // the server's default AckWait is 30s
+		if c.heartbeat <= 0 {
+			c.heartbeat = 15 * time.Second // the server's default AckWait is 30s
+		}
+		if c.lease > 0 {
+			c.heartbeat = min(c.heartbeat, c.lease/3)
+		}
 	}
 	if info.Config.MaxDeliver < 1 {
 		c.logger.Warn("idemnats: the consumer's MaxDeliver is unlimited: a message whose handler always fails is redelivered forever; set MaxDeliver to bound it",

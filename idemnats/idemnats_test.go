@@ -295,6 +295,34 @@ func TestLeaseModeHeartbeatExtendsTheLeaseWithInProgress(t *testing.T) {
 	})
 }
 
+func TestWithLeaseBeatsALeaseShorterThanHalfTheAckWait(t *testing.T) {
+	t.Parallel()
+	forAdapters(t, func(t *testing.T, adapter string) {
+		lease := 600 * time.Millisecond
+		w := newWorld(t, adapter, idem.Options{Lease: lease, HandlerTimeout: 20 * time.Second, LockWait: -1})
+		cons := w.consumer(jetstream.ConsumerConfig{AckWait: 4 * time.Second}) // half of it: past the lease
+		w.publish("short-lease", []byte("x"))
+		m := &spy{Msg: next(t, cons), inProgress: make(chan struct{}, 1)}
+		var expired int
+		c := w.handler(cons, func(ctx context.Context, msg jetstream.Msg) error {
+			for range 3 {
+				<-m.inProgress // a beat: InProgress, then ExtendLease
+				var alive bool
+				if err := db.QueryRowContext(ctx, `SELECT lease_until > clock_timestamp() FROM `+w.table).Scan(&alive); err != nil {
+					return err
+				}
+				if !alive {
+					expired++
+				}
+			}
+			return w.write(ctx, msg)
+		}, idemnats.WithLease(lease))
+		require.NoError(t, c.HandleContext(t.Context(), m))
+		assert.Zero(t, expired, "the lease was still running at every beat")
+		assert.Equal(t, 1, w.count(w.ledger, ""))
+	})
+}
+
 func TestWithDigestServesAPublisherThatReencodes(t *testing.T) {
 	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
