@@ -27,7 +27,8 @@
 //	                                          then Do once more; if still not done:
 //	idem.Retryable errors                     NakWithDelay(Result.RetryAfter), logged
 //	ErrPayloadMismatch, ErrInvalidKey,        Term, logged
-//	ErrBodyTooLarge, other permanent errors
+//	ErrBodyTooLarge, other permanent errors,
+//	a panic in WithDigest's function
 //	stored longer ago than the retention      Term, logged, never run
 //
 // Handlers that run longer than the consumer's AckWait keep their message

@@ -266,8 +266,9 @@ func (c *Consumer) Handle(msg jetstream.Msg) {
 //     idem.Retryable reports true for: logged, NakWithDelay(RetryAfter);
 //   - a key or payload idem refuses (idem.ErrInvalidKey, e.g. a
 //     Nats-Msg-Id over 255 bytes; idem.ErrBodyTooLarge;
-//     idem.ErrPayloadMismatch, the id reused for another body) or any
-//     other error a redelivery would meet again: logged, Term;
+//     idem.ErrPayloadMismatch, the id reused for another body), a panic
+//     of WithDigest's function, or any other error a redelivery would
+//     meet again: logged, Term;
 //   - stored in the stream longer ago than the retention: logged, Term,
 //     never run (ErrTooOld).
 //
@@ -288,6 +289,11 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		return err
 	}
 	key := c.key(msg, meta)
+	payload, err := c.payload(msg)
+	if err != nil {
+		c.term(ctx, msg, meta, key, err)
+		return err
+	}
 	hb := c.beat(msg)
 	defer hb.stop()
 	fn := func(ctx context.Context) ([]byte, error) {
@@ -295,7 +301,6 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		defer hb.leave()
 		return nil, c.call(ctx, msg)
 	}
-	payload := c.digest(msg)
 	res, err := c.mw.Do(ctx, key, payload, fn)
 	if errors.Is(err, idem.ErrInFlight) {
 		c.logger.DebugContext(ctx, "idemnats: another delivery of the key is in flight; holding the message", c.attrs(meta, key, "hold", res.RetryAfter)...)
@@ -328,6 +333,19 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		c.term(ctx, msg, meta, key, err)
 	}
 	return err
+}
+
+// payload is what stands for msg's payload (WithDigest's function), with a
+// panic of that function turned into an error: a redelivery would panic
+// again, so the message is terminated rather than crash the consumer.
+func (c *Consumer) payload(msg jetstream.Msg) (b []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			c.logger.Error("idemnats: the WithDigest function panicked", "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("idemnats: the WithDigest function panicked: %v", p)
+		}
+	}()
+	return c.digest(msg), nil
 }
 
 // call runs the handler, and turns a panic into its error, so that one

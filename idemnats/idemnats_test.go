@@ -323,6 +323,21 @@ func TestWithLeaseBeatsALeaseShorterThanHalfTheAckWait(t *testing.T) {
 	})
 }
 
+func TestAPanicInTheDigestIsTerminatedAndLogged(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, "database/sql", idem.Options{})
+	cons := w.consumer(jetstream.ConsumerConfig{})
+	c := w.handler(cons, nil, idemnats.WithDigest(func(jetstream.Msg) []byte { panic("cannot canonicalize") }))
+	w.publish("digest-panics", []byte("x"))
+	m := &spy{Msg: next(t, cons)}
+	require.ErrorContains(t, c.HandleContext(t.Context(), m), "cannot canonicalize")
+	assert.Equal(t, []string{"Term"}, m.got())
+	assert.Zero(t, w.count(w.runs, ""), "the handler did not run")
+	assert.Zero(t, w.keys())
+	assert.Contains(t, w.logs.String(), "the WithDigest function panicked")
+	eventually(t, "nothing left unacked", settled(t, cons))
+}
+
 func TestWithDigestServesAPublisherThatReencodes(t *testing.T) {
 	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
