@@ -15,7 +15,7 @@
 //
 // The middleware is built on idem's Middleware.Do (docs/consumers.md). The
 // key is the message's UUID (or a metadata entry, WithMetadataKey), scoped
-// by the handler's name; the payload digest covers the payload only. The
+// by the handler's name (WithSource's name, needed outside a router); the payload digest covers the payload only. The
 // handler runs inside Do, with its transaction in msg.Context(); the
 // messages it returns are stored with the claim and returned again, with
 // their original UUIDs, metadata and payloads, when a later delivery of the
