@@ -143,7 +143,9 @@ func WithSourcePrefix(prefix string) Option { return func(c *config) { c.prefix 
 // (several handlers of one router on the same queue, for concurrency): they
 // have different names but must share their keys, or a redelivery that
 // reaches another of them would run again. Handlers that must each process
-// every message (a fan-out) keep names of their own.
+// every message (a fan-out) keep names of their own. A middleware whose
+// messages carry no router handler name (called outside a router) needs
+// it: without either name the message is refused, a permanent error.
 func WithSource(name string) Option { return func(c *config) { c.source = name } }
 
 // WithMetadataKey takes the key's EventID from the message's metadata entry
