@@ -12,7 +12,8 @@
 //	cc, err := cons.Consume(c.Handle)
 //
 // cons must be a durable consumer with AckExplicit. A message's key is its
-// Nats-Msg-Id header, or its stream and stream sequence, under the source
+// Nats-Msg-Id header, or its stream, the consumer's creation time and its
+// stream sequence, under the source
 // "nats:<stream>/<durable>"; a redelivery, to this process or another, of
 // a message whose handler committed is acked without running it again.
 //
@@ -26,10 +27,12 @@
 //	                                          then Do once more; if still not done:
 //	idem.Retryable errors                     NakWithDelay(Result.RetryAfter), logged
 //	ErrPayloadMismatch, ErrInvalidKey,        Term, logged
-//	ErrBodyTooLarge, other permanent errors
+//	ErrBodyTooLarge, other permanent errors,
+//	a panic in WithDigest's function
 //	stored longer ago than the retention      Term, logged, never run
 //
 // Handlers that run longer than the consumer's AckWait keep their message
 // with InProgress() every AckWait/2; in lease mode (idem.Options.Lease) the
-// same beat extends the key's lease (idem.ExtendLease). See docs/nats.md.
+// same beat extends the key's lease (idem.ExtendLease): pass the lease with
+// WithLease, and the beat is at most a third of it. See docs/nats.md.
 package idemnats

@@ -58,6 +58,7 @@ type config struct {
 	logger     *slog.Logger
 	retryDelay time.Duration
 	heartbeat  time.Duration
+	lease      time.Duration
 }
 
 // WithSourcePrefix puts prefix before the derived source of every key
@@ -104,19 +105,31 @@ func WithRetryDelay(d time.Duration) Option {
 // WithHeartbeat sets how often a message being handled (or held for an
 // original in flight) is kept with InProgress(), and, in lease mode, its
 // lease extended with idem.ExtendLease. 0 means half the consumer's
-// AckWait. In lease mode keep it well under idem.Options.Lease (a third of
-// it): a Lease longer than the consumer's AckWait suits the default.
+// AckWait, or a third of WithLease's lease if that is shorter. In lease
+// mode keep it well under idem.Options.Lease (a third of it).
 func WithHeartbeat(d time.Duration) Option {
 	return func(c *config) { c.heartbeat = d }
+}
+
+// WithLease tells the consumer the middleware's idem.Options.Lease (give
+// the same value), for the default heartbeat: a third of the lease when
+// that is shorter than half the consumer's AckWait, so that the lease is
+// extended before it runs out. Without it, a Lease under about half the
+// AckWait runs out before the first beat. 0 (the default) means the
+// middleware is not in lease mode, or its lease is long enough.
+func WithLease(lease time.Duration) Option {
+	return func(c *config) { c.lease = lease }
 }
 
 // Consumer runs a Handler exactly once per message key, on a middleware's
 // table. Its Handle method is what consumer.Consume takes.
 type Consumer struct {
-	mw        *idem.Middleware
-	fn        Handler
-	stream    string
-	source    string
+	mw     *idem.Middleware
+	fn     Handler
+	stream string
+	source string
+	epoch  string // the consumer's creation time: this incarnation of it and its stream
+
 	heartbeat time.Duration
 	config
 }
@@ -131,8 +144,14 @@ type Consumer struct {
 // WithSourcePrefix's prefix, if set); EventID the message's
 // Nats-Msg-Id header (the publisher's id, which JetStream also dedups
 // within the stream's duplicate window) when present and not empty,
-// otherwise "<stream>:<stream sequence>", which stays the same across
-// redeliveries of one stored message. The payload whose digest is stored
+// otherwise "<stream>:<consumer created>:<stream sequence>" (the
+// consumer's creation time in Unix nanoseconds, from its info), which stays
+// the same across redeliveries of one stored message and changes when the
+// stream (and so the consumer) is deleted and created again: its sequence
+// restarts at 1, and a new message must not be taken for an old one. A
+// durable consumer deleted and created again on the same stream also
+// starts new keys: messages without Nats-Msg-Id it delivers again then run
+// again. The payload whose digest is stored
 // is the body (WithDigest sets another).
 //
 // Use it as
@@ -160,10 +179,11 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 		return nil, fmt.Errorf("%w: consumer %q on stream %q is ephemeral: its name changes from one process to the next, so a redelivery to another process would run again; create it with a Durable name", ErrConsumer, info.Name, info.Stream)
 	case info.Config.AckPolicy != jetstream.AckExplicitPolicy:
 		return nil, fmt.Errorf("%w: consumer %q has ack policy %s; idem acks each message after its commit and needs AckExplicit", ErrConsumer, info.Name, info.Config.AckPolicy)
-	case c.retryDelay < 0 || c.heartbeat < 0:
+	case c.retryDelay < 0 || c.heartbeat < 0 || c.lease < 0:
 		return nil, errors.New("idemnats: durations must not be negative")
 	}
 	c.stream = info.Stream
+	c.epoch = strconv.FormatInt(info.Created.UnixNano(), 10)
 	c.source = c.prefix + SourcePrefix + info.Stream + "/" + info.Config.Durable
 	if err := validSource(c.source); err != nil {
 		return nil, err
@@ -183,9 +203,12 @@ func New(mw *idem.Middleware, cons ConsumerInfo, fn Handler, opts ...Option) (*C
 	c.heartbeat = c.config.heartbeat
 	if c.heartbeat == 0 {
 		c.heartbeat = info.Config.AckWait / 2
-	}
-	if c.heartbeat <= 0 {
-		c.heartbeat = 15 * time.Second // the server's default AckWait is 30s
+		if c.heartbeat <= 0 {
+			c.heartbeat = 15 * time.Second // the server's default AckWait is 30s
+		}
+		if c.lease > 0 {
+			c.heartbeat = min(c.heartbeat, c.lease/3)
+		}
 	}
 	if info.Config.MaxDeliver < 1 {
 		c.logger.Warn("idemnats: the consumer's MaxDeliver is unlimited: a message whose handler always fails is redelivered forever; set MaxDeliver to bound it",
@@ -221,7 +244,7 @@ func (c *Consumer) key(msg jetstream.Msg, meta *jetstream.MsgMetadata) idem.Key 
 	if id := msg.Headers().Get(jetstream.MsgIDHeader); id != "" {
 		return idem.Key{Source: c.source, EventID: id}
 	}
-	return idem.Key{Source: c.source, EventID: meta.Stream + ":" + strconv.FormatUint(meta.Sequence.Stream, 10)}
+	return idem.Key{Source: c.source, EventID: meta.Stream + ":" + c.epoch + ":" + strconv.FormatUint(meta.Sequence.Stream, 10)}
 }
 
 // Handle handles one delivery of a message, as HandleContext does with
@@ -243,8 +266,9 @@ func (c *Consumer) Handle(msg jetstream.Msg) {
 //     idem.Retryable reports true for: logged, NakWithDelay(RetryAfter);
 //   - a key or payload idem refuses (idem.ErrInvalidKey, e.g. a
 //     Nats-Msg-Id over 255 bytes; idem.ErrBodyTooLarge;
-//     idem.ErrPayloadMismatch, the id reused for another body) or any
-//     other error a redelivery would meet again: logged, Term;
+//     idem.ErrPayloadMismatch, the id reused for another body), a panic
+//     of WithDigest's function, or any other error a redelivery would
+//     meet again: logged, Term;
 //   - stored in the stream longer ago than the retention: logged, Term,
 //     never run (ErrTooOld).
 //
@@ -265,6 +289,11 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		return err
 	}
 	key := c.key(msg, meta)
+	payload, err := c.payload(msg)
+	if err != nil {
+		c.term(ctx, msg, meta, key, err)
+		return err
+	}
 	hb := c.beat(msg)
 	defer hb.stop()
 	fn := func(ctx context.Context) ([]byte, error) {
@@ -272,7 +301,6 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		defer hb.leave()
 		return nil, c.call(ctx, msg)
 	}
-	payload := c.digest(msg)
 	res, err := c.mw.Do(ctx, key, payload, fn)
 	if errors.Is(err, idem.ErrInFlight) {
 		c.logger.DebugContext(ctx, "idemnats: another delivery of the key is in flight; holding the message", c.attrs(meta, key, "hold", res.RetryAfter)...)
@@ -305,6 +333,19 @@ func (c *Consumer) HandleContext(ctx context.Context, msg jetstream.Msg) error {
 		c.term(ctx, msg, meta, key, err)
 	}
 	return err
+}
+
+// payload is what stands for msg's payload (WithDigest's function), with a
+// panic of that function turned into an error: a redelivery would panic
+// again, so the message is terminated rather than crash the consumer.
+func (c *Consumer) payload(msg jetstream.Msg) (b []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			c.logger.Error("idemnats: the WithDigest function panicked", "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("idemnats: the WithDigest function panicked: %v", p)
+		}
+	}()
+	return c.digest(msg), nil
 }
 
 // call runs the handler, and turns a panic into its error, so that one

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -66,11 +67,38 @@ func TestAMessageWithoutMsgIDIsKeyedByStreamSequence(t *testing.T) {
 			m := next(t, cons)
 			key, err := c.Key(m)
 			require.NoError(t, err)
-			assert.Equal(t, idem.Key{Source: "nats:" + w.stream + "/worker", EventID: w.stream + ":" + itoa(want)}, key)
+			created := strconv.FormatInt(info(t, cons).Created.UnixNano(), 10)
+			assert.Equal(t, idem.Key{Source: "nats:" + w.stream + "/worker", EventID: w.stream + ":" + created + ":" + itoa(want)}, key)
 			require.NoError(t, c.HandleContext(t.Context(), m))
 		}
 		assert.Equal(t, 2, w.count(w.ledger, ""))
 		eventually(t, "nothing left unacked", settled(t, cons))
+	})
+}
+
+func TestAStreamCreatedAgainDoesNotReplayItsNewMessagesWithoutMsgID(t *testing.T) {
+	t.Parallel()
+	forAdapters(t, func(t *testing.T, adapter string) {
+		w := newWorld(t, adapter, idem.Options{})
+		cons := w.consumer(jetstream.ConsumerConfig{})
+		c := w.handler(cons, nil)
+		require.EqualValues(t, 1, w.publish("", []byte("before")))
+		require.NoError(t, c.HandleContext(t.Context(), next(t, cons)))
+
+		// The stream is deleted and created again: its sequence restarts
+		// at 1, and so does the consumer's creation time.
+		require.NoError(t, js.DeleteStream(t.Context(), w.stream))
+		_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: w.stream, Subjects: []string{w.subject}})
+		require.NoError(t, err)
+		cons = w.consumer(jetstream.ConsumerConfig{})
+		c = w.handler(cons, nil)
+		require.EqualValues(t, 1, w.publish("", []byte("after")))
+		m := &spy{Msg: next(t, cons)}
+		require.NoError(t, c.HandleContext(t.Context(), m), "a new message, not a mismatch with the old one")
+		assert.Equal(t, []string{"Ack"}, m.got())
+		assert.Equal(t, 2, w.count(w.runs, ""), "the new message ran: it was not replayed")
+		assert.Equal(t, 2, w.count(w.ledger, ""))
+		assert.Equal(t, 2, w.keys())
 	})
 }
 
@@ -242,6 +270,7 @@ func TestLeaseModeHeartbeatExtendsTheLeaseWithInProgress(t *testing.T) {
 		w.publish("long-job", []byte("x"))
 		m := &spy{Msg: next(t, cons), inProgress: make(chan struct{}, 1)}
 		var duplicate error
+		other := w.middleware(w.opts)
 		c := w.handler(cons, func(ctx context.Context, msg jetstream.Msg) error {
 			if err := w.write(ctx, msg); err != nil {
 				return err
@@ -249,8 +278,11 @@ func TestLeaseModeHeartbeatExtendsTheLeaseWithInProgress(t *testing.T) {
 			for range 5 { // 1.5s: past the lease, had it not been extended
 				<-m.inProgress
 			}
+			// The duplicate goes through a second middleware on the same
+			// table (another process): only the lease in PostgreSQL can
+			// refuse it, not this middleware's own one-delivery check.
 			key, _ := idem.KeyFromContext(ctx)
-			_, duplicate = w.mw.Do(context.Background(), key, msg.Data(), func(context.Context) ([]byte, error) {
+			_, duplicate = other.Do(context.Background(), key, msg.Data(), func(context.Context) ([]byte, error) {
 				return nil, errors.New("a duplicate took the key over")
 			})
 			return nil
@@ -261,6 +293,49 @@ func TestLeaseModeHeartbeatExtendsTheLeaseWithInProgress(t *testing.T) {
 		assert.Equal(t, 1, w.count(w.ledger, ""))
 		assert.Zero(t, info(t, cons).NumRedelivered)
 	})
+}
+
+func TestWithLeaseBeatsALeaseShorterThanHalfTheAckWait(t *testing.T) {
+	t.Parallel()
+	forAdapters(t, func(t *testing.T, adapter string) {
+		lease := 600 * time.Millisecond
+		w := newWorld(t, adapter, idem.Options{Lease: lease, HandlerTimeout: 20 * time.Second, LockWait: -1})
+		cons := w.consumer(jetstream.ConsumerConfig{AckWait: 4 * time.Second}) // half of it: past the lease
+		w.publish("short-lease", []byte("x"))
+		m := &spy{Msg: next(t, cons), inProgress: make(chan struct{}, 1)}
+		var expired int
+		c := w.handler(cons, func(ctx context.Context, msg jetstream.Msg) error {
+			for range 3 {
+				<-m.inProgress // a beat: InProgress, then ExtendLease
+				var alive bool
+				if err := db.QueryRowContext(ctx, `SELECT lease_until > clock_timestamp() FROM `+w.table).Scan(&alive); err != nil {
+					return err
+				}
+				if !alive {
+					expired++
+				}
+			}
+			return w.write(ctx, msg)
+		}, idemnats.WithLease(lease))
+		require.NoError(t, c.HandleContext(t.Context(), m))
+		assert.Zero(t, expired, "the lease was still running at every beat")
+		assert.Equal(t, 1, w.count(w.ledger, ""))
+	})
+}
+
+func TestAPanicInTheDigestIsTerminatedAndLogged(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, "database/sql", idem.Options{})
+	cons := w.consumer(jetstream.ConsumerConfig{})
+	c := w.handler(cons, nil, idemnats.WithDigest(func(jetstream.Msg) []byte { panic("cannot canonicalize") }))
+	w.publish("digest-panics", []byte("x"))
+	m := &spy{Msg: next(t, cons)}
+	require.ErrorContains(t, c.HandleContext(t.Context(), m), "cannot canonicalize")
+	assert.Equal(t, []string{"Term"}, m.got())
+	assert.Zero(t, w.count(w.runs, ""), "the handler did not run")
+	assert.Zero(t, w.keys())
+	assert.Contains(t, w.logs.String(), "the WithDigest function panicked")
+	eventually(t, "nothing left unacked", settled(t, cons))
 }
 
 func TestWithDigestServesAPublisherThatReencodes(t *testing.T) {

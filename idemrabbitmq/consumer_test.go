@@ -25,7 +25,7 @@ func TestOutcomes(t *testing.T) {
 	t.Parallel()
 	forAdapters(t, func(t *testing.T, adapter string) {
 		w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
-		c := w.consume(adapter, idem.Options{MaxBodyBytes: 64}, idemrabbitmq.WithRetention(time.Hour))
+		c := w.consume(adapter, idem.Options{MaxBodyBytes: 64}, idemrabbitmq.WithRetention(time.Hour), idemrabbitmq.WithRetryDelay(20*time.Millisecond))
 		runsOf := func(id string) int { return count(t, w.runs, id) }
 
 		// expectDead: the next action is a reject, the message is in the
@@ -162,6 +162,8 @@ func TestNew(t *testing.T) {
 	c, err = idemrabbitmq.New(mw, "orders", h, idemrabbitmq.WithSourcePrefix("eu/"))
 	require.NoError(t, err)
 	assert.Equal(t, "eu/rabbitmq:orders", c.Source())
+	_, err = idemrabbitmq.New(mw, "orders", h, idemrabbitmq.WithLogger(nil))
+	require.NoError(t, err, "a nil logger is slog.Default(), as in idemnats")
 
 	for name, tc := range map[string]struct {
 		mw    *idem.Middleware
@@ -175,7 +177,7 @@ func TestNew(t *testing.T) {
 		"concurrency 0":       {mw, "q", h, []idemrabbitmq.Option{idemrabbitmq.WithConcurrency(0)}},
 		"a source too long":   {mw, strings.Repeat("q", 250), h, nil},
 		"a control character": {mw, "q\n", h, nil},
-		"a nil logger":        {mw, "q", h, []idemrabbitmq.Option{idemrabbitmq.WithLogger(nil)}},
+		"a negative delay":    {mw, "q", h, []idemrabbitmq.Option{idemrabbitmq.WithRetryDelay(-time.Second)}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			_, err := idemrabbitmq.New(tc.mw, tc.queue, tc.h, tc.opts...)
@@ -252,3 +254,70 @@ func TestDatabaseErrorIsHeldThenRequeued(t *testing.T) {
 		assert.Zero(t, count(t, w.runs, "u1"))
 	})
 }
+
+// TestAFailedHandlerIsHeldBeforeItsRequeue: RabbitMQ redelivers a
+// requeued message at once, so a delivery whose handler failed is held,
+// unacked, for WithRetryDelay before its Nack: a failing handler does not
+// spend the delivery limit in a tight loop.
+func TestAFailedHandlerIsHeldBeforeItsRequeue(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
+	delay := 300 * time.Millisecond
+	c := w.consume("database/sql", idem.Options{}, idemrabbitmq.WithRetryDelay(delay))
+	w.publish(message{id: "fail", body: "fail"})
+	var last time.Time
+	for range deliveryLimit + 1 {
+		assert.Equal(t, event{"fail", "nack"}, c.next(t))
+		now := time.Now()
+		if !last.IsZero() {
+			assert.GreaterOrEqual(t, now.Sub(last), delay, "held at least the delay between two nacks")
+		}
+		last = now
+	}
+	d, reason := w.dead()
+	assert.Equal(t, "fail", d.MessageId)
+	assert.Equal(t, "delivery_limit", reason)
+	assert.Equal(t, deliveryLimit+1, count(t, w.runs, "fail"))
+}
+
+// TestAPanicInTheDigestIsRejected: a panic in WithDigest's function is
+// recovered and logged, and the delivery rejected to the dead-letter
+// exchange without running (a redelivery would panic again).
+func TestAPanicInTheDigestIsRejected(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, queueKind{quorum: true, limit: deliveryLimit})
+	c := w.consume("pgx", idem.Options{}, idemrabbitmq.WithDigest(func(amqp.Delivery) []byte { panic("cannot canonicalize") }))
+	w.publish(message{id: "dp", body: "x"})
+	assert.Equal(t, event{"dp", "reject"}, c.next(t))
+	d, reason := w.dead()
+	assert.Equal(t, "dp", d.MessageId)
+	assert.Equal(t, "rejected", reason)
+	assert.NotEmpty(t, c.logs.lines("level=ERROR", "WithDigest function panicked", "message_id=dp"))
+	assert.Zero(t, count(t, w.runs, "dp"), "the handler did not run")
+}
+
+// TestRunTakesNoDeliveryAfterItsContextEnded: deliveries already in the
+// channel's buffer when Run's context has ended are left alone (unacked,
+// for RabbitMQ to requeue when the channel closes), however select picks.
+func TestRunTakesNoDeliveryAfterItsContextEnded(t *testing.T) {
+	w := newWorld(t, queueKind{})
+	mw := w.middleware("database/sql", idem.Options{})
+	c, err := idemrabbitmq.New(mw, w.queue, handlerFor(w.runs, w.ledger, db), idemrabbitmq.WithLogger(slogTo(&syncBuffer{})))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	events := make(chan event, 100)
+	for range 20 { // select picks a ready case at random: try it often
+		deliveries := make(chan amqp.Delivery, 1)
+		deliveries <- amqp.Delivery{Acknowledger: recorder{noAck{}, "", events}, Body: []byte("x")}
+		require.ErrorIs(t, c.Run(ctx, deliveries), context.Canceled)
+	}
+	assert.Empty(t, events, "no delivery was answered after the context ended")
+}
+
+// noAck is an Acknowledger that accepts everything.
+type noAck struct{}
+
+func (noAck) Ack(uint64, bool) error        { return nil }
+func (noAck) Nack(uint64, bool, bool) error { return nil }
+func (noAck) Reject(uint64, bool) error     { return nil }

@@ -31,11 +31,13 @@
 //	Timestamp older than the retention         Reject(requeue=false), and the handler does not run
 //	other errors a redelivery cannot fix       Reject(requeue=false)
 //	another delivery holds the key (in flight) held, not acked, for idem's Result.RetryAfter, then tried once more
-//	handler error, or panic (recovered)        Nack(requeue=true): RabbitMQ redelivers at once
+//	handler error, or panic (recovered)        held, not acked, for WithRetryDelay (1s), then Nack(requeue=true)
 //	other retryable errors                     held for Result.RetryAfter, tried once more, then Nack(requeue=true)
+//	WithDigest's function panicked (recovered) Reject(requeue=false), and the handler does not run
 //
 // Every Reject and Nack is logged. RabbitMQ redelivers a requeued message
-// at once and, on a classic queue, without limit: bound the redeliveries
+// at once (hence the holds before a requeue) and, on a classic queue,
+// without limit: bound the redeliveries
 // with a quorum queue's x-delivery-limit and give the queue a dead-letter
 // exchange (docs/rabbitmq.md).
 package idemrabbitmq
@@ -67,6 +69,11 @@ type Handler func(ctx context.Context, d amqp.Delivery) error
 // (and after the prefix of WithSourcePrefix).
 const SourcePrefix = "rabbitmq:"
 
+// DefaultRetryDelay is how long a delivery whose handler failed or
+// panicked is held, unacked, before it is requeued, unless WithRetryDelay
+// sets another delay.
+const DefaultRetryDelay = time.Second
+
 // ErrHandlerPanicked is the error a delivery whose handler panicked is
 // logged with (the panic's value and stack go with it); the delivery is
 // then treated as one whose handler failed: rolled back and requeued.
@@ -82,6 +89,7 @@ type Consumer struct {
 	concurrency int
 	digest      func(amqp.Delivery) []byte
 	retention   time.Duration
+	retryDelay  time.Duration
 	logger      *slog.Logger
 	dlx         string // the queue's dead-letter exchange, as the options tell it
 	dlxKnown    bool
@@ -118,8 +126,15 @@ func WithDigest(f func(d amqp.Delivery) []byte) Option {
 // delivery without a Timestamp is never judged too old.
 func WithRetention(d time.Duration) Option { return func(c *Consumer) { c.retention = d } }
 
+// WithRetryDelay sets how long a delivery whose handler returned an error
+// or panicked is held, unacked, before Nack(requeue=true): RabbitMQ
+// redelivers a requeued message at once, so without a delay a failing
+// handler would spend a delivery limit in milliseconds. 0 means
+// DefaultRetryDelay (1s).
+func WithRetryDelay(d time.Duration) Option { return func(c *Consumer) { c.retryDelay = d } }
+
 // WithLogger sets the logger of rejected and requeued deliveries and of
-// the start report (slog.Default() by default).
+// the start report; nil (the default) means slog.Default().
 func WithLogger(l *slog.Logger) Option { return func(c *Consumer) { c.logger = l } }
 
 // WithQueueArgs tells the consumer the arguments the queue was declared
@@ -165,8 +180,14 @@ func New(mw *idem.Middleware, queue string, h Handler, opts ...Option) (*Consume
 		return nil, errors.New("idemrabbitmq: New needs the queue's name (it scopes the keys)")
 	case c.concurrency < 1:
 		return nil, fmt.Errorf("idemrabbitmq: concurrency %d is below 1", c.concurrency)
-	case c.logger == nil:
-		return nil, errors.New("idemrabbitmq: WithLogger needs a logger")
+	case c.retryDelay < 0:
+		return nil, errors.New("idemrabbitmq: WithRetryDelay's delay must not be negative")
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	if c.retryDelay == 0 {
+		c.retryDelay = DefaultRetryDelay
 	}
 	if len(c.source) > idem.MaxKeyLen || !utf8.ValidString(c.source) || strings.ContainsFunc(c.source, unicode.IsControl) {
 		return nil, fmt.Errorf("idemrabbitmq: the key source %q is over %d bytes, not UTF-8 or has control characters", c.source, idem.MaxKeyLen)
@@ -189,7 +210,8 @@ func (c *Consumer) Source() string { return c.source }
 //
 // When ctx ends, Run takes no more deliveries; those being processed are
 // finished (each bounded by Options.HandlerTimeout) and acked or requeued,
-// except one held for a key in flight, which is requeued at once. Run
+// except one held (for a key in flight, or after a handler's error), which
+// is requeued at once. Run
 // returns when they are done. Deliveries still in the channel's buffer
 // stay unacked: close the channel (or its connection) after Run returns,
 // and RabbitMQ requeues them.
@@ -204,6 +226,9 @@ func (c *Consumer) Run(ctx context.Context, deliveries <-chan amqp.Delivery) err
 					return
 				case d, ok := <-deliveries:
 					if !ok {
+						return
+					}
+					if ctx.Err() != nil { // select picks at random among ready cases
 						return
 					}
 					c.handle(ctx, d)
@@ -243,9 +268,10 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) {
 		}
 	}
 	key := idem.Key{Source: c.source, EventID: d.MessageId}
-	payload := d.Body
-	if c.digest != nil {
-		payload = c.digest(d)
+	payload, err := c.payload(d)
+	if err != nil {
+		c.reject(d, "rejected: the WithDigest function panicked", err)
+		return
 	}
 	work := context.WithoutCancel(ctx) // a handler that runs is finished, bounded by HandlerTimeout
 	res, err := c.do(work, key, payload, d)
@@ -266,13 +292,28 @@ func (c *Consumer) handle(ctx context.Context, d amqp.Delivery) {
 		if aerr := d.Ack(false); aerr != nil {
 			c.logger.Warn("idemrabbitmq: ack failed; the message will come again and be replayed", "queue", c.queue, "message_id", d.MessageId, "replayed", res.Replayed, "err", aerr)
 		}
-	case idem.Retryable(err):
-		c.logger.Warn("idemrabbitmq: requeued: "+err.Error(), "queue", c.queue, "message_id", d.MessageId, "redelivered", d.Redelivered, "err", err)
-		if nerr := d.Nack(false, true); nerr != nil {
-			c.logger.Warn("idemrabbitmq: nack failed", "queue", c.queue, "message_id", d.MessageId, "err", nerr)
+	case errors.Is(err, ErrHandlerPanicked) || errors.As(err, new(*handlerError)):
+		// RabbitMQ redelivers a requeued message at once: hold it first,
+		// or a failing handler spends the delivery limit in milliseconds.
+		t := time.NewTimer(c.retryDelay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
 		}
+		c.requeue(d, err)
+	case idem.Retryable(err):
+		c.requeue(d, err)
 	default:
 		c.reject(d, rejection(err), err)
+	}
+}
+
+// requeue nacks d with requeue, and logs it.
+func (c *Consumer) requeue(d amqp.Delivery, err error) {
+	c.logger.Warn("idemrabbitmq: requeued: "+err.Error(), "queue", c.queue, "message_id", d.MessageId, "redelivered", d.Redelivered, "err", err)
+	if nerr := d.Nack(false, true); nerr != nil {
+		c.logger.Warn("idemrabbitmq: nack failed", "queue", c.queue, "message_id", d.MessageId, "err", nerr)
 	}
 }
 
@@ -312,6 +353,31 @@ func (c *Consumer) do(ctx context.Context, key idem.Key, payload []byte, d amqp.
 		}
 	}()
 	return c.mw.Do(ctx, key, payload, func(ctx context.Context) ([]byte, error) {
-		return nil, c.handler(ctx, d)
+		if err := c.handler(ctx, d); err != nil {
+			return nil, &handlerError{err}
+		}
+		return nil, nil
 	})
+}
+
+// handlerError marks the handler's own error in what Do returns.
+type handlerError struct{ err error }
+
+func (e *handlerError) Error() string { return e.err.Error() }
+func (e *handlerError) Unwrap() error { return e.err }
+
+// payload is what stands for d in the key's digest: the body, or what
+// WithDigest's function returns, with a panic of that function turned into
+// an error (a redelivery would panic again).
+func (c *Consumer) payload(d amqp.Delivery) (b []byte, err error) {
+	if c.digest == nil {
+		return d.Body, nil
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			c.logger.Error("idemrabbitmq: the WithDigest function panicked", "queue", c.queue, "message_id", d.MessageId, "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("idemrabbitmq: the WithDigest function panicked: %v", p)
+		}
+	}()
+	return c.digest(d), nil
 }

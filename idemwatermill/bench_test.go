@@ -41,7 +41,7 @@ func BenchmarkHandler(b *testing.B) {
 			}
 			return []*message.Message{message.NewMessage("out-"+msg.UUID, msg.Payload)}, nil
 		}
-		m, err := idemwatermill.Middleware(mw, idemwatermill.WithLogger((&logs{}).logger()))
+		m, err := idemwatermill.Middleware(mw, idemwatermill.WithLogger((&logs{}).logger()), idemwatermill.WithSource("bench"))
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -15,7 +15,7 @@
 //
 // The middleware is built on idem's Middleware.Do (docs/consumers.md). The
 // key is the message's UUID (or a metadata entry, WithMetadataKey), scoped
-// by the handler's name; the payload digest covers the payload only. The
+// by the handler's name (WithSource's name, needed outside a router); the payload digest covers the payload only. The
 // handler runs inside Do, with its transaction in msg.Context(); the
 // messages it returns are stored with the claim and returned again, with
 // their original UUIDs, metadata and payloads, when a later delivery of the
@@ -30,11 +30,15 @@
 //	payload mismatch, invalid key, payload   error, IsPermanent       PoisonQueue: publish to the
 //	  too large, too old (WithRetention),                               poison topic, ack (without
 //	  other errors idem.Retryable rejects,                              one: nack, redelivered)
-//	  handler's error marked Permanent
+//	  handler's error marked Permanent,
+//	  panic in WithDigest's function, no
+//	  source (no handler name, no WithSource)
 //	another delivery holds the key           (held RetryAfter, then   as the second try's outcome
-//	  (idem.ErrInFlight)                      Do once more)
-//	handler's own error, panic, other        error                    nack: redelivered
-//	  retryable errors
+//	  (idem.ErrInFlight), other retryable     Do once more)
+//	  errors of idem's (ErrUnavailable, ...)
+//	still retryable after the second try     error                    nack: redelivered
+//	handler's own error, panic               (held WithRetryDelay,    nack: redelivered
+//	                                          1s) error
 //
 // Every error and every hold is logged (log/slog). See docs/watermill.md.
 package idemwatermill
@@ -73,6 +77,11 @@ var ErrPermanent = errors.New("idemwatermill: permanent failure, not worth a red
 // longer ago than the retention (WithRetention): its key may have been
 // swept from the table, so it is not run.
 var ErrTooOld = errors.New("idemwatermill: message older than the retention")
+
+// DefaultRetryDelay is how long the middleware holds a message whose
+// handler failed or panicked before it returns the error (and the router
+// nacks it), unless WithRetryDelay sets another delay.
+const DefaultRetryDelay = time.Second
 
 // ErrHandlerPanicked is returned, wrapped, for a delivery whose handler
 // panicked: everything was rolled back, the panic and its stack were logged,
@@ -119,6 +128,7 @@ type config struct {
 	retention   time.Duration
 	timestamp   func(*message.Message) (time.Time, bool)
 	logger      *slog.Logger
+	retryDelay  time.Duration
 	now         func() time.Time
 }
 
@@ -133,7 +143,9 @@ func WithSourcePrefix(prefix string) Option { return func(c *config) { c.prefix 
 // (several handlers of one router on the same queue, for concurrency): they
 // have different names but must share their keys, or a redelivery that
 // reaches another of them would run again. Handlers that must each process
-// every message (a fan-out) keep names of their own.
+// every message (a fan-out) keep names of their own. A middleware whose
+// messages carry no router handler name (called outside a router) needs
+// it: without either name the message is refused, a permanent error.
 func WithSource(name string) Option { return func(c *config) { c.source = name } }
 
 // WithMetadataKey takes the key's EventID from the message's metadata entry
@@ -165,9 +177,18 @@ func WithTimestamp(f func(msg *message.Message) (time.Time, bool)) Option {
 	return func(c *config) { c.timestamp = f }
 }
 
-// WithLogger sets the logger of failed, held and permanent deliveries
-// (slog.Default() by default).
+// WithLogger sets the logger of failed, held and permanent deliveries; nil
+// (the default) means slog.Default().
 func WithLogger(l *slog.Logger) Option { return func(c *config) { c.logger = l } }
+
+// WithRetryDelay sets how long a message whose handler returned an error
+// (not marked Permanent) or panicked is held, unacked, before the
+// middleware returns the error and the router nacks it: a nacked message
+// is redelivered at once by most Pub/Subs (RabbitMQ's among them), so
+// without a delay a failing handler would spend a delivery limit in
+// milliseconds. 0 means DefaultRetryDelay (1s). A Retry middleware outside
+// this one waits its own interval after each held attempt.
+func WithRetryDelay(d time.Duration) Option { return func(c *config) { c.retryDelay = d } }
 
 // Middleware returns a message.HandlerMiddleware that runs the handler it
 // wraps once per key, inside mw.Do (see the package doc). Add it with
@@ -180,7 +201,7 @@ func Middleware(mw *idem.Middleware, opts ...Option) (message.HandlerMiddleware,
 	if mw == nil {
 		return nil, errors.New("idemwatermill: Middleware needs an *idem.Middleware")
 	}
-	c := &config{logger: slog.Default(), now: time.Now, timestamp: publishedAt}
+	c := &config{now: time.Now, timestamp: publishedAt}
 	for _, o := range opts {
 		if o == nil {
 			return nil, errors.New("idemwatermill: nil Option")
@@ -190,8 +211,17 @@ func Middleware(mw *idem.Middleware, opts ...Option) (message.HandlerMiddleware,
 	if c.retention == 0 {
 		c.retention = idemops.DefaultRetention
 	}
-	if c.logger == nil || c.timestamp == nil {
-		return nil, errors.New("idemwatermill: WithLogger and WithTimestamp need a value")
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	if c.retryDelay == 0 {
+		c.retryDelay = DefaultRetryDelay
+	}
+	switch {
+	case c.timestamp == nil:
+		return nil, errors.New("idemwatermill: WithTimestamp needs a function")
+	case c.retryDelay < 0:
+		return nil, errors.New("idemwatermill: WithRetryDelay's delay must not be negative")
 	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -224,8 +254,10 @@ func publishedAt(msg *message.Message) (time.Time, bool) {
 }
 
 // key is the message's key: Source from the handler's name (or
-// WithSource), EventID from the UUID or the metadata entry.
-func (c *config) key(msg *message.Message) idem.Key {
+// WithSource), EventID from the UUID or the metadata entry. Without either
+// name the source would be "watermill:", shared by every such use of the
+// table: that is refused, a permanent error.
+func (c *config) key(msg *message.Message) (idem.Key, error) {
 	id := msg.UUID
 	if c.metadataKey != "" {
 		id = msg.Metadata.Get(c.metadataKey)
@@ -234,13 +266,21 @@ func (c *config) key(msg *message.Message) idem.Key {
 	if name == "" {
 		name = message.HandlerNameFromCtx(msg.Context())
 	}
-	return idem.Key{Source: c.prefix + SourcePrefix + name, EventID: id}
+	if name == "" {
+		return idem.Key{}, permanentError{errors.New("idemwatermill: no router handler name in the message's context and no WithSource: the keys would share the source \"" + c.prefix + SourcePrefix + "\" with every other such use; give the middleware WithSource")}
+	}
+	return idem.Key{Source: c.prefix + SourcePrefix + name, EventID: id}, nil
 }
 
-// handle is one delivery: the retention check, Do, and on ErrInFlight one
-// hold and one more Do.
+// handle is one delivery: the retention check, Do, and on a retryable
+// error of idem's one hold and one more Do; on the handler's error a hold
+// before returning it.
 func (c *config) handle(mw *idem.Middleware, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
-	key := c.key(msg)
+	key, err := c.key(msg)
+	if err != nil {
+		c.logger.Error("idemwatermill: permanent: not run", "message_uuid", msg.UUID, "err", err)
+		return nil, err
+	}
 	log := c.logger.With("message_uuid", msg.UUID, "source", key.Source, "event_id", key.EventID)
 	if t, ok := c.timestamp(msg); ok && c.retention > 0 {
 		if age := c.now().Sub(t); age > c.retention {
@@ -249,19 +289,30 @@ func (c *config) handle(mw *idem.Middleware, h message.HandlerFunc, msg *message
 			return nil, err
 		}
 	}
-	payload := []byte(msg.Payload)
-	if c.digest != nil {
-		payload = c.digest(msg)
+	payload, err := c.payload(msg)
+	if err != nil {
+		log.Error("idemwatermill: permanent: for the poison queue", "err", err)
+		return nil, err
 	}
 	out, res, err := c.do(mw, h, msg, key, payload)
-	if errors.Is(err, idem.ErrInFlight) {
-		log.Info("idemwatermill: another delivery holds the key; holding the message", "hold", res.RetryAfter, "err", err)
-		t := time.NewTimer(res.RetryAfter)
-		select {
-		case <-t.C:
+	if err != nil && res.RetryAfter > 0 && idem.Retryable(err) {
+		// Another delivery holds the key, or the database failed: hold
+		// the message rather than spend a redelivery on it.
+		log.Info("idemwatermill: holding the message: "+err.Error(), "hold", res.RetryAfter, "err", err)
+		if c.hold(msg, res.RetryAfter) {
 			out, res, err = c.do(mw, h, msg, key, payload)
-		case <-msg.Context().Done():
-			t.Stop()
+		}
+	}
+	var herr *handlerError
+	if errors.As(err, &herr) {
+		err = herr.err
+		if !IsPermanent(err) {
+			// Most Pub/Subs redeliver a nacked message at once: hold it
+			// first, or a failing handler spends the delivery limit in
+			// milliseconds.
+			log.Warn("idemwatermill: the handler failed; holding the message, then nacked for a redelivery", "hold", c.retryDelay, "err", err)
+			c.hold(msg, c.retryDelay)
+			return nil, err
 		}
 	}
 	switch {
@@ -283,6 +334,41 @@ func (c *config) handle(mw *idem.Middleware, h message.HandlerFunc, msg *message
 	}
 }
 
+// hold waits d, or until msg's context ends; it reports whether d passed.
+func (c *config) hold(msg *message.Message, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-msg.Context().Done():
+		return false
+	}
+}
+
+// payload is what stands for msg in the digest: its payload, or what
+// WithDigest's function returns, with a panic of that function turned into
+// a permanent error (a redelivery would panic again).
+func (c *config) payload(msg *message.Message) (b []byte, err error) {
+	if c.digest == nil {
+		return msg.Payload, nil
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			c.logger.Error("idemwatermill: the WithDigest function panicked", "message_uuid", msg.UUID, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			err = permanentError{fmt.Errorf("idemwatermill: the WithDigest function panicked: %v", p)}
+		}
+	}()
+	return c.digest(msg), nil
+}
+
+// handlerError marks the handler's own error (or its panic) in what do
+// returns; handle takes it off.
+type handlerError struct{ err error }
+
+func (e *handlerError) Error() string { return e.err.Error() }
+func (e *handlerError) Unwrap() error { return e.err }
+
 // do calls Do once with h as its function, msg's context carrying the
 // claim's transaction while h runs. It returns h's messages (or the stored
 // ones, on a replay), and turns a panic in h into an error.
@@ -291,7 +377,7 @@ func (c *config) do(mw *idem.Middleware, h message.HandlerFunc, msg *message.Mes
 	defer func() {
 		msg.SetContext(orig)
 		if p := recover(); p != nil {
-			err = fmt.Errorf("%w: %v", ErrHandlerPanicked, p)
+			err = &handlerError{fmt.Errorf("%w: %v", ErrHandlerPanicked, p)}
 			c.logger.Error("idemwatermill: handler panicked; rolled back", "message_uuid", msg.UUID, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
 		}
 	}()
@@ -301,7 +387,7 @@ func (c *config) do(mw *idem.Middleware, h message.HandlerFunc, msg *message.Mes
 		produced, err := h(msg)
 		msg.SetContext(orig)
 		if err != nil {
-			return nil, err
+			return nil, &handlerError{err}
 		}
 		ran, out = true, produced
 		return encode(produced)

@@ -33,7 +33,7 @@ func newWorld(t *testing.T, adapter string, opts idem.Options, wopts ...idemwate
 	require.NoError(t, err)
 	w.outs, w.poisons = watch(t, w.ns.out), watch(t, w.ns.poison)
 	r, closers, err := newRouter(&app{db: db, ns: w.ns}, mw, false, 1, quiet,
-		append([]idemwatermill.Option{idemwatermill.WithLogger(w.logs.logger())}, wopts...)...)
+		append([]idemwatermill.Option{idemwatermill.WithLogger(w.logs.logger()), idemwatermill.WithRetryDelay(50 * time.Millisecond)}, wopts...)...)
 	require.NoError(t, err)
 	ran := make(chan error, 1)
 	go func() { ran <- r.Run(context.Background()) }()

@@ -17,7 +17,8 @@ import (
 )
 
 // direct is the middleware around the app's handler, called directly (no
-// router, no broker: the handler name, and so Key.Source's tail, is empty).
+// router, no broker: no handler name, so the source is WithSource's,
+// "direct").
 type direct struct {
 	ns   names
 	logs *logs
@@ -30,7 +31,7 @@ func newDirect(t *testing.T, adapter string, opts idem.Options, wopts ...idemwat
 	opts.Table, opts.Logger = d.ns.table, d.logs.logger()
 	mw, err := newMiddleware(t.Context(), adapter, dbURL, opts, t.Cleanup)
 	require.NoError(t, err)
-	m, err := idemwatermill.Middleware(mw, append([]idemwatermill.Option{idemwatermill.WithLogger(d.logs.logger())}, wopts...)...)
+	m, err := idemwatermill.Middleware(mw, append([]idemwatermill.Option{idemwatermill.WithLogger(d.logs.logger()), idemwatermill.WithSource("direct")}, wopts...)...)
 	require.NoError(t, err)
 	d.h = m((&app{db: db, ns: d.ns}).handle)
 	return d
@@ -59,13 +60,13 @@ func TestReplayReturnsTheStoredMessages(t *testing.T) {
 		assert.Equal(t, 1, count(t, d.ns.runs, ""))
 		var source string
 		require.NoError(t, db.QueryRow(`SELECT source FROM `+d.ns.table).Scan(&source))
-		assert.Equal(t, idemwatermill.SourcePrefix, source, "no router: no handler name")
+		assert.Equal(t, idemwatermill.SourcePrefix+"direct", source, "no router: WithSource's name")
 	})
 }
 
 func TestHandlerReturningNoMessagesReplaysNone(t *testing.T) {
 	d := newDirect(t, "pgx", idem.Options{})
-	m, err := idemwatermill.Middleware(mustMiddleware(t, d.ns.table))
+	m, err := idemwatermill.Middleware(mustMiddleware(t, d.ns.table), idemwatermill.WithSource("none"))
 	require.NoError(t, err)
 	h := m(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	for range 2 {
@@ -178,7 +179,7 @@ func TestInFlightDuplicateIsHeldThenReplayed(t *testing.T) {
 		}
 		mw, err := newMiddleware(t.Context(), adapter, dbURL, idem.Options{Table: ns.table, Lease: 5 * time.Second, Logger: l.logger()}, t.Cleanup)
 		require.NoError(t, err)
-		m, err := idemwatermill.Middleware(mw, idemwatermill.WithLogger(l.logger()))
+		m, err := idemwatermill.Middleware(mw, idemwatermill.WithLogger(l.logger()), idemwatermill.WithSource("dup"))
 		require.NoError(t, err)
 		a := &app{db: db, ns: ns}
 		running, release := make(chan struct{}), make(chan struct{})
@@ -240,8 +241,79 @@ func TestMiddlewareRefusesBadArguments(t *testing.T) {
 	mw := mustMiddleware(t, newNames(t, false).table)
 	_, err = idemwatermill.Middleware(mw, nil)
 	assert.ErrorContains(t, err, "nil Option")
+	_, err = idemwatermill.Middleware(mw, idemwatermill.WithRetryDelay(-time.Second))
+	assert.ErrorContains(t, err, "WithRetryDelay")
 	_, err = idemwatermill.Middleware(mw, idemwatermill.WithLogger(nil))
-	assert.Error(t, err)
+	assert.NoError(t, err, "a nil logger is slog.Default(), as in idemnats")
+}
+
+// Without a router's handler name in the message's context and without
+// WithSource, every such use would share the source "watermill:": the
+// message is refused, a permanent error that names WithSource, and
+// nothing runs.
+func TestNoSourceIsRefused(t *testing.T) {
+	ns := newNames(t, false)
+	l := &logs{}
+	m, err := idemwatermill.Middleware(mustMiddleware(t, ns.table), idemwatermill.WithLogger(l.logger()))
+	require.NoError(t, err)
+	ran := false
+	_, err = m(func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil })(msg("order-1", "order 1"))
+	assert.ErrorContains(t, err, "WithSource")
+	assert.True(t, idemwatermill.IsPermanent(err))
+	assert.False(t, ran)
+	assert.Zero(t, count(t, ns.table, ""))
+	assert.True(t, l.has("level=ERROR", "permanent"), l.String())
+}
+
+// An error of idem's that a retry may fix (here the table is gone:
+// ErrUnavailable) is held for Result.RetryAfter and tried once more before
+// the error goes to the router (a nack), so that a short database outage
+// does not spend the delivery limit; the handler never runs.
+func TestARetryableErrorIsHeldThenTriedOnceMore(t *testing.T) {
+	forAdapters(t, func(t *testing.T, adapter string) {
+		d := newDirect(t, adapter, idem.Options{RetryAfter: 10 * time.Millisecond})
+		_, err := db.Exec(`DROP TABLE ` + d.ns.table)
+		require.NoError(t, err)
+		_, err = d.h(msg("order-1", "order 1"))
+		require.ErrorIs(t, err, idem.ErrUnavailable)
+		assert.False(t, idemwatermill.IsPermanent(err))
+		assert.Equal(t, 1, strings.Count(d.logs.String(), "holding the message"), d.logs.String())
+		assert.Zero(t, count(t, d.ns.runs, ""))
+	})
+}
+
+// A handler's error (or panic) is held for WithRetryDelay before it goes
+// to the router, which nacks it and most Pub/Subs redeliver at once: a
+// failing handler is not run in a tight loop. Its Permanent errors are
+// not held: they go to the poison queue.
+func TestAHandlerErrorIsHeldForTheRetryDelay(t *testing.T) {
+	delay := 300 * time.Millisecond
+	d := newDirect(t, "pgx", idem.Options{}, idemwatermill.WithRetryDelay(delay))
+	for _, body := range []string{"fail-once", "panic-once"} {
+		start := time.Now()
+		_, err := d.h(msg(body, body))
+		require.Error(t, err)
+		assert.False(t, idemwatermill.IsPermanent(err))
+		assert.GreaterOrEqual(t, time.Since(start), delay, "held at least the delay")
+		_, err = d.h(msg(body, body))
+		require.NoError(t, err, "the redelivery runs and commits")
+	}
+	assert.Equal(t, 2, strings.Count(d.logs.String(), "holding the message, then nacked"))
+	_, err := d.h(msg("p", "permanent"))
+	assert.True(t, idemwatermill.IsPermanent(err))
+	assert.Equal(t, 2, strings.Count(d.logs.String(), "holding the message, then nacked"), "a permanent error is not held")
+	assert.Equal(t, 2, count(t, d.ns.ledger, ""))
+}
+
+// A panic in WithDigest's function is recovered, logged, and permanent:
+// the handler does not run.
+func TestAPanicInTheDigestIsPermanent(t *testing.T) {
+	d := newDirect(t, "database/sql", idem.Options{}, idemwatermill.WithDigest(func(*message.Message) []byte { panic("cannot canonicalize") }))
+	_, err := d.h(msg("order-1", "order 1"))
+	assert.ErrorContains(t, err, "cannot canonicalize")
+	assert.True(t, idemwatermill.IsPermanent(err))
+	assert.True(t, d.logs.has("level=ERROR", "WithDigest function panicked"), d.logs.String())
+	assert.Zero(t, count(t, d.ns.runs, ""))
 }
 
 func TestWithSourceAndPrefix(t *testing.T) {
