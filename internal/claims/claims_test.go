@@ -64,12 +64,13 @@ func (p *fakePool) Acquire(context.Context) (driver.Conn, error) { return &fakeC
 func (p *fakePool) Pipelines() bool                              { return p.pipelines }
 func (p *fakePool) Cap() int                                     { return 10 }
 func (p *fakePool) Query(_ context.Context, q string, _ []any, each func(func(...any) error) error) error {
-	if q != driver.PartitionedSQL {
+	if q != driver.LayoutSQL {
 		return errors.New("unexpected query")
 	}
 	p.log = append(p.log, "layout?")
 	return each(func(dest ...any) error {
-		*dest[0].(**bool) = &p.partitioned
+		no := false
+		*dest[0].(**bool), *dest[1].(**bool) = &p.partitioned, &no
 		return nil
 	})
 }

@@ -27,9 +27,12 @@ type tx struct {
 	// inserts the key first (ClaimOrRead); the answer is then stored by
 	// CompleteClaimedNow, in one partition.
 	orRead bool
+	// dist: the table is distributed by Citus, and these are its
+	// statements (citus.go).
+	dist *driver.CitusQueries
 	// b and st are the batch being sent, reused: a request allocates none.
 	b  driver.Batch
-	st [2]driver.Stmt
+	st [3]driver.Stmt
 }
 
 // batch returns t's batch, holding stmts and nothing else.
@@ -81,7 +84,11 @@ func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
 // engine meets by claiming again in a new transaction.
 func (t *tx) lookup(ctx context.Context, a *driver.Args) (driver.Row, error) {
 	var s driver.Scan
-	b := t.batch(driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()})
+	stmt := driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()}
+	if t.dist != nil {
+		stmt = t.distributedLookup(a, &s)
+	}
+	b := t.batch(stmt)
 	b.Rollback = t.opts.Isolation > sql.LevelReadCommitted
 	err := t.c.Send(ctx, b)
 	if err == nil && b.Rollback {
@@ -182,14 +189,21 @@ func (t *tx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	case t.orRead:
 		b, err := t.claimOrRead(ctx, a, true)
 		return b.Won, err
+	case t.dist != nil:
+		return t.insertDistributed(ctx, a)
 	}
 	return t.insert(ctx, a)
 }
 
 // TakeOver claims a key whose lease ran out: an UPDATE of its row (which
-// takes the key's lock itself), whose answer is then an UPDATE too.
+// takes the key's lock itself, but on a table distributed by Citus), whose
+// answer is then an UPDATE too.
 func (t *tx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
-	b := t.batch(driver.Stmt{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}})
+	stmt := driver.Stmt{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}}
+	if t.dist != nil {
+		stmt = driver.Stmt{SQL: t.dist.TakeOver, Args: stmt.Args[:3]}
+	}
+	b := t.batch(stmt)
 	err := t.send(ctx, b)
 	won := err == nil && b.Stmts[0].N == 1
 	if won {
