@@ -130,8 +130,12 @@ func TestClaimsOnCitus(t *testing.T) {
 					dupDone <- serve(dup.Handler(ledgerHandler(ts, "coordinator", hook)), "evt_dead", `{}`).Code
 				}()
 				waitForClaimWaiting(t, c.coord, ts)
-				_, err := db.Exec(`SELECT pg_terminate_backend($1)`, pid.Load())
-				require.NoError(t, err)
+				_, err := db.Exec(`SELECT pg_terminate_backend($1::int)`, pid.Load())
+				assert.NoError(t, err)
+				if err != nil {
+					close(release)
+					t.FailNow()
+				}
 				assert.Equal(t, http.StatusCreated, <-dupDone, "the duplicate claims the key its original lost")
 				close(release)
 				assert.GreaterOrEqual(t, <-origDone, 500, "the original's transaction died with its session")

@@ -44,7 +44,7 @@ func TestLeaseModeOnCitus(t *testing.T) {
 
 			// A lease-mode original in progress elsewhere, its lease
 			// running: answered 409 at once.
-			_, err := db.Exec(`INSERT INTO `+ts.idem+` (source, event_id, payload_digest, lease_until, lease_token)
+			_, err := db.Exec(`INSERT INTO ` + ts.idem + ` (source, event_id, payload_digest, lease_until, lease_token)
 VALUES ('test', 'lease_live', sha256('{}'::bytea), now() + interval '30 seconds', 1)`)
 			require.NoError(t, err)
 			r = serve(h, "lease_live", `{}`)
@@ -53,7 +53,7 @@ VALUES ('test', 'lease_live', sha256('{}'::bytea), now() + interval '30 seconds'
 			assert.Equal(t, 0, ledgerRows(t, db, ts, "lease_live"))
 
 			// A crashed original: its lease ran out without an answer.
-			_, err = db.Exec(`INSERT INTO `+ts.idem+` (source, event_id, payload_digest, lease_until, lease_token, claimed_at)
+			_, err = db.Exec(`INSERT INTO ` + ts.idem + ` (source, event_id, payload_digest, lease_until, lease_token, claimed_at)
 VALUES ('test', 'lease_dead', sha256('{}'::bytea), now() - interval '1 second', 2, now() - interval '2 minutes')`)
 			require.NoError(t, err)
 			r = serve(h, "lease_dead", `{}`)

@@ -20,11 +20,11 @@ func TestOperationsOnCitus(t *testing.T) {
 	ctx := context.Background()
 	// 120 keys claimed 40 days ago, 30 claimed an hour ago, one committed
 	// without an answer.
-	_, err := db.Exec(`INSERT INTO `+ts.idem+` (source, event_id, payload_digest, response_status, response_body, claimed_at, completed_at)
+	_, err := db.Exec(`INSERT INTO ` + ts.idem + ` (source, event_id, payload_digest, response_status, response_body, claimed_at, completed_at)
 SELECT 'test', 'old_' || g, sha256('{}'::bytea), 200, 'ok', now() - interval '40 days', now() - interval '40 days'
 FROM generate_series(1, 120) g`)
 	require.NoError(t, err)
-	_, err = db.Exec(`INSERT INTO `+ts.idem+` (source, event_id, payload_digest, response_status, response_body, claimed_at, completed_at)
+	_, err = db.Exec(`INSERT INTO ` + ts.idem + ` (source, event_id, payload_digest, response_status, response_body, claimed_at, completed_at)
 SELECT 'test', 'young_' || g, sha256('{}'::bytea), 200, 'ok', now() - interval '1 hour', now() - interval '1 hour'
 FROM generate_series(1, 30) g`)
 	require.NoError(t, err)
