@@ -18,6 +18,7 @@ import (
 // replays its answer, a duplicate whose wait runs out (409), and a
 // duplicate that takes over from an original whose session died.
 func TestClaimsOnCitus(t *testing.T) {
+	t.Parallel()
 	c := citus(t, false)
 	for _, adapter := range adapters {
 		t.Run(adapter, func(t *testing.T) {

@@ -17,6 +17,7 @@ import (
 // duplicate of a key whose lease runs (409 with the lease's time left),
 // and a key whose lease ran out (a crashed original), taken over.
 func TestLeaseModeOnCitus(t *testing.T) {
+	t.Parallel()
 	c := citus(t, false)
 	for _, adapter := range adapters {
 		t.Run(adapter, func(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 // by Citus (Citus refused the check's subqueries in an aggregate's target
 // list, and the sweep's FOR UPDATE SKIP LOCKED), and Distribute again.
 func TestOperationsOnCitus(t *testing.T) {
+	t.Parallel()
 	c := citus(t, false)
 	ts := c.newTables(t)
 	db := c.coord.db

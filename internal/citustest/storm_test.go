@@ -19,6 +19,7 @@ import (
 // handler commits exactly once, and no delivery is answered 5xx (a unique
 // violation at COMMIT would be).
 func TestAnyNodeStorm(t *testing.T) {
+	t.Parallel()
 	c := citus(t, true)
 	const (
 		events = 30
