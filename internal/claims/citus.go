@@ -25,24 +25,13 @@ func (s *Store) beginDistributed(ctx context.Context, a *driver.Args) (driver.Be
 		return driver.Begun{}, err
 	}
 	t.lockFirst, t.dist = false, s.distributed()
-	b, err := t.insertFirst(ctx, a)
+	b, err := t.claimPlain(ctx, a) // inserting first: t.insert, t.lookup
 	if err != nil {
 		_ = t.Rollback(ctx)
 		return driver.Begun{}, err
 	}
 	b.Tx = t
 	return b, nil
-}
-
-// insertFirst inserts the key's claim and, when nothing was inserted,
-// reads its row.
-func (t *tx) insertFirst(ctx context.Context, a *driver.Args) (driver.Begun, error) {
-	won, err := t.insertDistributed(ctx, a)
-	if err != nil || won {
-		return driver.Begun{Won: won}, err
-	}
-	row, err := t.lookup(ctx, a)
-	return driver.Begun{Row: row}, err
 }
 
 // insertDistributed sends the claim's INSERT, preceded, in the batch that

@@ -66,8 +66,12 @@ func (t *tx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, erro
 	return driver.Begun{Row: row}, err
 }
 
-// insert sends the claim's INSERT (Queries.Claim).
+// insert sends the claim's INSERT (Queries.Claim; on a table distributed
+// by Citus, insertDistributed).
 func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
+	if t.dist != nil {
+		return t.insertDistributed(ctx, a)
+	}
 	var won bool
 	b := t.batch(driver.Stmt{SQL: t.q.Claim, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: []any{&won}})
 	err := t.send(ctx, b)
@@ -189,8 +193,6 @@ func (t *tx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 	case t.orRead:
 		b, err := t.claimOrRead(ctx, a, true)
 		return b.Won, err
-	case t.dist != nil:
-		return t.insertDistributed(ctx, a)
 	}
 	return t.insert(ctx, a)
 }
