@@ -48,9 +48,15 @@ func (m *Middleware) claim(ctx context.Context, a *driver.Args, deadline time.Ti
 		}
 		begun, err := m.drv.Begin(ctx, a)
 		if err != nil {
-			if retryable(err) {
+			switch {
+			case retryable(err):
 				lastErr = err
 				continue
+			case driver.SQLState(err) == "55P03":
+				// lock_not_available: on a table distributed by Citus the
+				// claim's INSERT waited LockWait for an original in flight.
+				res.problem, res.outcome = problemFor(ErrInFlight), OutcomeInFlight
+				return res
 			}
 			return storeErr(err)
 		}

@@ -243,6 +243,7 @@ func newMiddleware(pool driver.Pool, opts Options) (*Middleware, error) {
 	case opts.LockWait < 0:
 		m.lockWait = 0
 	}
+	store.LockWait = m.lockWait
 	switch {
 	case opts.MaxBodyBytes == 0:
 		m.maxBody = DefaultMaxBodyBytes

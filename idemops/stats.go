@@ -75,7 +75,8 @@ func Stats(ctx context.Context, db *sql.DB, opts StatsOptions) (*TableStats, err
 	}
 	s := &TableStats{Table: t.Name}
 	err = readOnly(ctx, db, func(tx *sql.Tx) error {
-		if err := tableExists(ctx, tx, t); err != nil {
+		distributed, err := existing(ctx, tx, t)
+		if err != nil {
 			return err
 		}
 		// One scan: the busiest sources, and one total row over all of
@@ -129,13 +130,13 @@ SELECT true, '', coalesce(sum(done), 0)::bigint, coalesce(sum(open), 0)::bigint,
 			}
 			return a.Source < b.Source
 		})
-		if err := tx.QueryRowContext(ctx, `SELECT sum(pg_total_relation_size(relid))::bigint FROM `+treeSQL("$1"), t.Quoted).Scan(&s.TableBytes); err != nil {
+		if s.TableBytes, _, err = sizes(ctx, tx, t, distributed); err != nil {
 			return err
 		}
 		if err := s.readPartitions(ctx, tx, t); err != nil {
 			return err
 		}
-		claims, err := inFlightClaims(ctx, tx, t)
+		claims, err := inFlightClaims(ctx, tx, t, distributed)
 		s.InFlight = len(claims)
 		return err
 	})

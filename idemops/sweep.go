@@ -112,15 +112,17 @@ type SweepResult struct {
 
 // sweeper is a validated SweepOptions.
 type sweeper struct {
-	table      catalog.Table
-	deleteSQL  string
-	retention  time.Duration
-	batch      int
-	maxBatches int
-	pause      time.Duration
-	logger     *slog.Logger
-	observer   func(SweepResult, error)
-	ahead      int // partitions kept ready ahead, on a partitioned table
+	table     catalog.Table
+	deleteSQL string
+	// distributedDeleteSQL is deleteSQL for a table distributed by Citus.
+	distributedDeleteSQL string
+	retention            time.Duration
+	batch                int
+	maxBatches           int
+	pause                time.Duration
+	logger               *slog.Logger
+	observer             func(SweepResult, error)
+	ahead                int // partitions kept ready ahead, on a partitioned table
 }
 
 func newSweeper(opts SweepOptions) (*sweeper, error) {
@@ -182,12 +184,19 @@ func newSweeper(opts SweepOptions) (*sweeper, error) {
 	// them per batch; keys are appended in claimed_at order, so the scan
 	// (sequential, or through the BRIN index on large tables) meets the
 	// oldest first anyway.
-	s.deleteSQL = `DELETE FROM ` + q + ` WHERE (source, event_id) IN (
+	expired := `DELETE FROM ` + q + ` WHERE (source, event_id) IN (
     SELECT source, event_id FROM ` + q + `
     WHERE claimed_at < now() - $1::bigint * interval '1 microsecond'
       AND (lease_until IS NULL OR lease_until < now()) -- never a live lease
-    LIMIT $2
+    LIMIT $2`
+	s.deleteSQL = expired + `
     FOR UPDATE SKIP LOCKED)`
+	// Citus runs no FOR UPDATE over a distributed table's shards: it
+	// gathers the batch's keys on the coordinator, then deletes them from
+	// the shards, in one distributed transaction. A row that another
+	// transaction locks meanwhile (a concurrent sweep) is waited for, and
+	// then found gone.
+	s.distributedDeleteSQL = expired + `)`
 	return s, nil
 }
 
@@ -222,13 +231,19 @@ func (s *sweeper) run(ctx context.Context, db *sql.DB) (res SweepResult, err err
 	} else if kind == 'p' {
 		return s.runPartitions(ctx, db)
 	}
+	deleteSQL := s.deleteSQL
+	if dist, err := catalog.Distributed(ctx, db, s.table); err != nil {
+		return res, fmt.Errorf("idem: sweep %s: %w", s.table.Name, err)
+	} else if dist {
+		deleteSQL = s.distributedDeleteSQL
+	}
 	for res.Batches < s.maxBatches {
 		if res.Batches > 0 && s.pause > 0 {
 			if err := sleep(ctx, s.pause); err != nil {
 				return res, fmt.Errorf("idem: sweep %s: %w", s.table.Name, err)
 			}
 		}
-		n, err := s.batchOnce(ctx, db)
+		n, err := s.batchOnce(ctx, db, deleteSQL)
 		if err != nil {
 			return res, fmt.Errorf("idem: sweep %s: batch %d: %w", s.table.Name, res.Batches+1, err)
 		}
@@ -244,8 +259,8 @@ func (s *sweeper) run(ctx context.Context, db *sql.DB) (res SweepResult, err err
 	return res, nil
 }
 
-func (s *sweeper) batchOnce(ctx context.Context, db *sql.DB) (int64, error) {
-	r, err := db.ExecContext(ctx, s.deleteSQL, s.retention.Microseconds(), s.batch)
+func (s *sweeper) batchOnce(ctx context.Context, db *sql.DB, deleteSQL string) (int64, error) {
+	r, err := db.ExecContext(ctx, deleteSQL, s.retention.Microseconds(), s.batch)
 	if err != nil {
 		return 0, err
 	}

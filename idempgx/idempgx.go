@@ -155,7 +155,7 @@ func (t *pgxConn) Send(ctx context.Context, b *driver.Batch) error {
 		// Never cancelled: pgx cancels a query whose context ends (either
 		// context watcher); the engine stops waiting at its deadline.
 		ctx = context.WithoutCancel(ctx)
-		if t.open {
+		if t.open || b.Begin != nil { // open, or opened by this batch
 			end = "COMMIT"
 		}
 	case b.Rollback:

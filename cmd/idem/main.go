@@ -3,6 +3,7 @@
 //
 //	idem migrate                         create or update the table; says which it did
 //	idem migrate -partition-interval 24h create it partitioned by day (docs/partitioning.md)
+//	idem migrate -distribute             on Citus: then distribute it by event_id (docs/citus.md)
 //	idem sweep -retention 720h -batch 5000   delete expired keys, one bounded run
 //	idem check -horizon 72h              health report; exit 0 ok, 1 warning, 2 critical
 //	idem check -require-synchronous      and critical while commits wait for no synchronous standby
@@ -201,17 +202,43 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func migrateFlags(fs *flag.FlagSet) func(context.Context, *sql.DB, string, io.Writer, io.Writer) (int, error) {
 	interval := fs.Duration("partition-interval", 0, "create the table range-partitioned on claimed_at, one partition per interval (whole hours; 24h: one per UTC day); on a partitioned table, the interval of the partitions added from now on (default: that of its newest partition)")
 	ahead := fs.Int("partitions-ahead", idem.DefaultPartitionsAhead, "on a partitioned table, the partitions kept ready after the current one")
+	distribute := fs.Bool("distribute", false, "on the coordinator of a Citus cluster, then distribute the table by event_id (docs/citus.md)")
+	colocate := fs.String("colocate-with", "", "with -distribute: a table distributed by the event's id whose shards the table's follow (default: Citus's default colocation group)")
 	return func(ctx context.Context, db *sql.DB, table string, stdout, _ io.Writer) (int, error) {
-		if *ahead <= 0 {
+		switch {
+		case *ahead <= 0:
 			return 0, errors.New("-partitions-ahead must be positive")
+		case *colocate != "" && !*distribute:
+			return 0, errors.New("-colocate-with needs -distribute")
+		case *distribute && *interval != 0:
+			return 0, errors.New("-distribute takes no -partition-interval: claims on Citus need a plain table (docs/citus.md)")
 		}
 		res, err := migration.Run(ctx, db, idem.MigrateOptions{Table: table, PartitionInterval: *interval, PartitionsAhead: *ahead})
 		if err != nil {
 			return 0, err
 		}
 		fmt.Fprintln(stdout, migrated(table, res))
+		if *distribute {
+			d, err := idemops.Distribute(ctx, db, idemops.DistributeOptions{Table: table, ColocateWith: *colocate})
+			if err != nil {
+				return 0, err
+			}
+			fmt.Fprintln(stdout, distributed(table, *colocate, d))
+		}
 		return exitOK, nil
 	}
+}
+
+// distributed says what idem migrate -distribute did.
+func distributed(table, colocate string, d idemops.DistributeResult) string {
+	with := ""
+	if colocate != "" {
+		with = fmt.Sprintf(", colocated with %q", colocate)
+	}
+	if d.Distributed {
+		return fmt.Sprintf("distributed table %q by event_id%s (colocation group %d)", table, with, d.ColocationID)
+	}
+	return fmt.Sprintf("table %q is already distributed by event_id%s (colocation group %d)", table, with, d.ColocationID)
 }
 
 // migrated says what a migration of table did.

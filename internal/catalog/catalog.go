@@ -11,6 +11,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // DefaultTable is the table name used when none is given.
@@ -142,4 +144,18 @@ func RelKind(ctx context.Context, q Queryer, t Table) (byte, error) {
 		return 0, err
 	}
 	return kind.String[0], nil
+}
+
+// Distributed reports whether Citus distributes the table: the citus
+// extension is installed and its metadata (pg_dist_partition, which exists
+// only then) holds the table (docs/citus.md).
+func Distributed(ctx context.Context, q Queryer, t Table) (bool, error) {
+	var citus bool
+	err := q.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')`).Scan(&citus)
+	if err != nil || !citus {
+		return false, err
+	}
+	var dist bool
+	err = q.QueryRowContext(ctx, driver.DistributedSQL, t.Quoted).Scan(&dist)
+	return dist, err
 }

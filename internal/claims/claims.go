@@ -20,6 +20,7 @@ package claims
 import (
 	"context"
 	"database/sql"
+	"sync"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
@@ -46,6 +47,14 @@ type Store struct {
 	// past are the summaries of a partitioned table's past partitions;
 	// tests replace it.
 	past func() past
+	// LockWait bounds the wait of a claim on a table distributed by Citus
+	// for an original in flight (driver.CitusQueries): Options.LockWait.
+	// Set before the first claim.
+	LockWait time.Duration
+	dist     struct {
+		once sync.Once
+		q    driver.CitusQueries
+	}
 }
 
 // past is what a claim asks of the summaries (summary.Summaries).
@@ -90,13 +99,35 @@ func (s *Store) PoolCap() int { return s.pool.Cap() }
 // (summary.Summarised).
 func (s *Store) Summaries() *summary.Summaries { return s.sum.Get(s.q.Table, s.pool.Query) }
 
-// partitioned reports whether the table is partitioned, asking the
-// database on the first claim (driver.Layout).
-func (s *Store) partitioned(ctx context.Context) (bool, error) {
-	return s.layout.Partitioned(ctx, func(ctx context.Context) (p *bool, err error) {
-		err = s.pool.Query(ctx, driver.PartitionedSQL, []any{s.q.Table}, func(scan func(...any) error) error { return scan(&p) })
-		return p, err
+// kind is the table's layout, asked of the database on the first claim
+// (driver.Layout): whether it is partitioned, and distributed by Citus.
+func (s *Store) kind(ctx context.Context) (driver.Kind, error) {
+	return s.layout.Kind(ctx, func(ctx context.Context) (driver.Kind, error) {
+		var partitioned, citus *bool
+		err := s.pool.Query(ctx, driver.LayoutSQL, []any{s.q.Table}, func(scan func(...any) error) error { return scan(&partitioned, &citus) })
+		if err != nil || partitioned == nil {
+			return 0, err
+		}
+		k := driver.Plain
+		if *partitioned {
+			k = driver.Partitioned
+		}
+		if *citus {
+			var dist bool
+			err = s.pool.Query(ctx, driver.DistributedSQL, []any{s.q.Table}, func(scan func(...any) error) error { return scan(&dist) })
+			if dist {
+				k += driver.Distributed - driver.Plain
+			}
+		}
+		return k, err
 	})
+}
+
+// distributed are the statements of a claim on a table distributed by
+// Citus, built on first use.
+func (s *Store) distributed() *driver.CitusQueries {
+	s.dist.once.Do(func() { s.dist.q = driver.NewCitusQueries(s.q.Table, s.LockWait, !s.pipelines) })
+	return &s.dist.q
 }
 
 // newTx takes a connection for a claim's transaction, which begins with
@@ -112,16 +143,21 @@ func (s *Store) newTx(ctx context.Context, q *driver.Queries, opts *sql.TxOption
 // Begin begins a transaction and claims the key in it. On a plain table:
 // lock-first, or by inserting the key first (see the package comment), and
 // then, when the key is not won, its row and lock read by a statement of
-// their own. A claim on a table found to have become partitioned (the
-// plain claim's ON CONFLICT has no unique index to use) is made again as on
-// one.
+// their own; on a table distributed by Citus, by inserting the key first,
+// without a lock (beginDistributed). A claim on a table found to have
+// become partitioned (the plain claim's ON CONFLICT has no unique index to
+// use) is made again as on one.
 func (s *Store) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error) {
-	partitioned, err := s.partitioned(ctx)
-	if err != nil || partitioned {
-		if err != nil {
-			return driver.Begun{}, err
-		}
+	kind, err := s.kind(ctx)
+	switch {
+	case err != nil:
+		return driver.Begun{}, err
+	case kind == driver.Partitioned:
 		return s.beginPartitioned(ctx, a)
+	case kind == driver.Distributed:
+		return s.beginDistributed(ctx, a)
+	case kind == driver.DistributedPartitioned:
+		return driver.Begun{}, driver.ErrDistributedPartitioned
 	}
 	t, err := s.newTx(ctx, &s.q, s.opts)
 	if err != nil {
@@ -135,7 +171,7 @@ func (s *Store) Begin(ctx context.Context, a *driver.Args) (driver.Begun, error)
 	_ = t.Rollback(ctx)
 	if driver.SQLState(err) == driver.NoConflictTarget {
 		s.layout.Forget()
-		if p, perr := s.partitioned(ctx); perr == nil && p {
+		if k, kerr := s.kind(ctx); kerr == nil && k == driver.Partitioned {
 			return s.beginPartitioned(ctx, a)
 		}
 	}

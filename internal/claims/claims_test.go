@@ -28,6 +28,7 @@ import (
 type fakePool struct {
 	pipelines   bool
 	partitioned bool
+	citus       bool // the table is distributed by Citus (citus_test.go)
 	names       map[string]string
 	answers     map[string][]func(*driver.Stmt) error
 	log         []string
@@ -64,14 +65,21 @@ func (p *fakePool) Acquire(context.Context) (driver.Conn, error) { return &fakeC
 func (p *fakePool) Pipelines() bool                              { return p.pipelines }
 func (p *fakePool) Cap() int                                     { return 10 }
 func (p *fakePool) Query(_ context.Context, q string, _ []any, each func(func(...any) error) error) error {
-	if q != driver.PartitionedSQL {
-		return errors.New("unexpected query")
+	switch q {
+	case driver.LayoutSQL:
+		p.log = append(p.log, "layout?")
+		return each(func(dest ...any) error {
+			*dest[0].(**bool), *dest[1].(**bool) = &p.partitioned, &p.citus
+			return nil
+		})
+	case driver.DistributedSQL:
+		p.log = append(p.log, "distributed?")
+		return each(func(dest ...any) error {
+			*dest[0].(*bool) = p.citus
+			return nil
+		})
 	}
-	p.log = append(p.log, "layout?")
-	return each(func(dest ...any) error {
-		*dest[0].(**bool) = &p.partitioned
-		return nil
-	})
+	return errors.New("unexpected query")
 }
 
 type fakeConn struct {

@@ -11,14 +11,19 @@ import (
 // ClaimLease claims the key in lease mode, in a statement that commits on
 // its own, and reads the key's row and lock with a second one when it
 // claimed nothing; on a partitioned table, lock-first in a transaction of
-// its own (claimLeaseEverywhere).
+// its own (claimLeaseEverywhere); on a table distributed by Citus, without
+// a lock (claimLeaseDistributed).
 func (s *Store) ClaimLease(ctx context.Context, a *driver.Args, lease, wait time.Duration, token int64) (driver.Lease, error) {
-	partitioned, err := s.partitioned(ctx)
-	if err != nil || partitioned {
-		if err != nil {
-			return driver.Lease{}, err
-		}
+	kind, err := s.kind(ctx)
+	switch {
+	case err != nil:
+		return driver.Lease{}, err
+	case kind == driver.Partitioned:
 		return s.claimLeaseEverywhere(ctx, a, lease, token)
+	case kind == driver.Distributed:
+		return s.claimLeaseDistributed(ctx, a, lease, token)
+	case kind == driver.DistributedPartitioned:
+		return driver.Lease{}, driver.ErrDistributedPartitioned
 	}
 	c, err := s.pool.Acquire(ctx)
 	if err != nil {

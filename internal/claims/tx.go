@@ -27,9 +27,12 @@ type tx struct {
 	// inserts the key first (ClaimOrRead); the answer is then stored by
 	// CompleteClaimedNow, in one partition.
 	orRead bool
+	// dist: the table is distributed by Citus, and these are its
+	// statements (citus.go).
+	dist *driver.CitusQueries
 	// b and st are the batch being sent, reused: a request allocates none.
 	b  driver.Batch
-	st [2]driver.Stmt
+	st [3]driver.Stmt
 }
 
 // batch returns t's batch, holding stmts and nothing else.
@@ -63,8 +66,12 @@ func (t *tx) claimPlain(ctx context.Context, a *driver.Args) (driver.Begun, erro
 	return driver.Begun{Row: row}, err
 }
 
-// insert sends the claim's INSERT (Queries.Claim).
+// insert sends the claim's INSERT (Queries.Claim; on a table distributed
+// by Citus, insertDistributed).
 func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
+	if t.dist != nil {
+		return t.insertDistributed(ctx, a)
+	}
 	var won bool
 	b := t.batch(driver.Stmt{SQL: t.q.Claim, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}, Dest: []any{&won}})
 	err := t.send(ctx, b)
@@ -81,7 +88,11 @@ func (t *tx) insert(ctx context.Context, a *driver.Args) (bool, error) {
 // engine meets by claiming again in a new transaction.
 func (t *tx) lookup(ctx context.Context, a *driver.Args) (driver.Row, error) {
 	var s driver.Scan
-	b := t.batch(driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()})
+	stmt := driver.Stmt{SQL: t.q.Lookup, Args: []any{a.Source, a.EventID, a.Lock}, Dest: s.Lookup()}
+	if t.dist != nil {
+		stmt = t.distributedLookup(a, &s)
+	}
+	b := t.batch(stmt)
 	b.Rollback = t.opts.Isolation > sql.LevelReadCommitted
 	err := t.c.Send(ctx, b)
 	if err == nil && b.Rollback {
@@ -187,9 +198,14 @@ func (t *tx) Claim(ctx context.Context, a *driver.Args) (bool, error) {
 }
 
 // TakeOver claims a key whose lease ran out: an UPDATE of its row (which
-// takes the key's lock itself), whose answer is then an UPDATE too.
+// takes the key's lock itself, but on a table distributed by Citus), whose
+// answer is then an UPDATE too.
 func (t *tx) TakeOver(ctx context.Context, a *driver.Args) (bool, error) {
-	b := t.batch(driver.Stmt{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}})
+	stmt := driver.Stmt{SQL: t.q.TakeOver, Args: []any{a.Source, a.EventID, a.Digest, a.Lock}}
+	if t.dist != nil {
+		stmt = driver.Stmt{SQL: t.dist.TakeOver, Args: stmt.Args[:3]}
+	}
+	b := t.batch(stmt)
 	err := t.send(ctx, b)
 	won := err == nil && b.Stmts[0].N == 1
 	if won {

@@ -264,7 +264,7 @@ type Queries struct {
 	// the lease ($4, microseconds), in a statement that commits on its
 	// own; it changes no row once another delivery took the key over.
 	ExtendLease string
-	// Table is the quoted table name, the argument of PartitionedSQL.
+	// Table is the quoted table name, the argument of LayoutSQL.
 	// ClaimOrRead is the database/sql claim on a partitioned table, sent
 	// after TryLock, and CompleteClaimedNow its Complete: layout.go.
 	Table, ClaimOrRead, CompleteClaimedNow string

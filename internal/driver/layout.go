@@ -137,9 +137,20 @@ const PartitionBoundsSQL = `CROSS JOIN LATERAL (SELECT CASE WHEN set_config('Dat
 CROSS JOIN LATERAL (SELECT (regexp_match(pb.b, 'FROM [(]''([^'']*)''[)]'))[1]::timestamptz,
     (regexp_match(pb.b, 'TO [(]''([^'']*)''[)]'))[1]::timestamptz) AS bounds(lo, hi)`
 
-// PartitionedSQL reports whether the table named by $1 (quoted, as
-// Queries.Table) is partitioned; NULL when it does not exist.
-const PartitionedSQL = `SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)`
+// LayoutSQL reads what a claim needs to know of the table named by $1
+// (quoted, as Queries.Table): whether it is partitioned, and whether the
+// citus extension is installed in the database (then DistributedSQL says
+// whether Citus distributes the table). No row when the table does not
+// exist.
+const LayoutSQL = `SELECT c.relkind = 'p', EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')
+FROM pg_class c WHERE c.oid = to_regclass($1)`
+
+// DistributedSQL reports whether Citus's metadata holds the table named by
+// $1: a distributed table (or a reference or Citus local one), which the
+// claim of a table distributed by Citus serves (docs/citus.md). Sent only
+// where LayoutSQL found the citus extension: pg_dist_partition exists
+// only there.
+const DistributedSQL = `SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass($1))`
 
 // ErrPartitionedIsolation is a claim's error on a partitioned table when the
 // claim transaction would not run at READ COMMITTED: at REPEATABLE READ or
@@ -148,35 +159,46 @@ const PartitionedSQL = `SELECT relkind = 'p' FROM pg_class WHERE oid = to_regcla
 // would be invisible and its key claimed a second time in another partition.
 var ErrPartitionedIsolation = errors.New("idem: the table is partitioned: its claims need READ COMMITTED, and Options.TxOptions asks for a higher isolation level")
 
-// Layout remembers whether an adapter's table is partitioned, once known.
-// The zero value knows nothing yet.
+// Kind is the layout of a claim's table, as LayoutSQL and DistributedSQL
+// read it.
+type Kind int32
+
+const (
+	// Plain: one table, whose primary key on (source, event_id) ON
+	// CONFLICT uses.
+	Plain Kind = iota + 1
+	// Partitioned: range-partitioned on claimed_at (docs/partitioning.md).
+	Partitioned
+	// Distributed: a plain table distributed by Citus (docs/citus.md).
+	Distributed
+	// DistributedPartitioned: a partitioned table distributed by Citus,
+	// which claims refuse (ErrDistributedPartitioned).
+	DistributedPartitioned
+)
+
+// Layout remembers the layout of an adapter's table, once known. The zero
+// value knows nothing yet.
 type Layout struct {
-	state atomic.Int32 // 0 unknown, 1 plain, 2 partitioned
+	state atomic.Int32 // 0 unknown, else a Kind
 }
 
-// Partitioned reports whether the table is partitioned, asking the database
-// with query (which runs PartitionedSQL with the quoted table name) on the
-// first call, and again after Forget. A table that does not exist counts as
-// plain and is asked about again next time: the claim fails on it anyway.
-func (l *Layout) Partitioned(ctx context.Context, query func(context.Context) (*bool, error)) (bool, error) {
-	switch l.state.Load() {
-	case 1:
-		return false, nil
-	case 2:
-		return true, nil
+// Kind is the table's layout, asking the database with query on the
+// first call, and again after Forget. query returns 0 for a table that
+// does not exist, which counts as plain and is asked about again next
+// time: the claim fails on it anyway.
+func (l *Layout) Kind(ctx context.Context, query func(context.Context) (Kind, error)) (Kind, error) {
+	if k := Kind(l.state.Load()); k != 0 {
+		return k, nil
 	}
-	p, err := query(ctx)
+	k, err := query(ctx)
 	switch {
 	case err != nil:
-		return false, err
-	case p == nil:
-		return false, nil
-	case *p:
-		l.state.Store(2)
-	default:
-		l.state.Store(1)
+		return 0, err
+	case k == 0:
+		return Plain, nil
 	}
-	return *p, nil
+	l.state.Store(int32(k))
+	return k, nil
 }
 
 // Forget makes the next claim ask again: the plain claim found that the

@@ -61,6 +61,9 @@ type config struct {
 	CPUProfile  string        `json:"-"`
 	MemProfile  string        `json:"-"`
 	KeepDB      bool          `json:"-"`
+	// Citus: the run uses the Citus coordinator's database that
+	// DatabaseURL names, and distributes its tables (receivers.go).
+	Citus bool `json:"citus,omitempty"`
 }
 
 func main() {
@@ -99,6 +102,7 @@ func run() int {
 	flag.StringVar(&cfg.CPUProfile, "cpuprofile", "", "write a CPU profile of the measured slots (client and receivers: use -receivers idem to isolate it)")
 	flag.StringVar(&cfg.MemProfile, "memprofile", "", "write an allocation profile at the end")
 	flag.BoolVar(&cfg.KeepDB, "keep-db", false, "keep the database for inspection")
+	flag.BoolVar(&cfg.Citus, "citus", false, "-database-url names the database of a Citus coordinator (the citus extension created there and on the workers): run in it, its tables distributed by event_id and colocated (docs/citus.md), instead of in a database of the tool's own")
 	flag.Parse()
 
 	if *render != "" {
@@ -128,21 +132,26 @@ func run() int {
 	rep := &report{Config: cfg}
 	rep.Machine = machine()
 
-	// Our own database, dropped at the end.
-	dbName, dbURL, err := createDatabase(ctx, cfg.DatabaseURL)
-	if err != nil {
-		return fatal(fmt.Errorf("PostgreSQL is required: %w", err))
-	}
-	if !cfg.KeepDB {
-		defer dropDatabase(cfg.DatabaseURL, dbName)
-	} else {
-		fmt.Fprintln(os.Stderr, "idemload: keeping database", dbName)
+	// Our own database, dropped at the end; on Citus, the one given,
+	// whose tables each receiver drops and creates again.
+	dbURL := cfg.DatabaseURL
+	if !cfg.Citus {
+		dbName, u, err := createDatabase(ctx, cfg.DatabaseURL)
+		if err != nil {
+			return fatal(fmt.Errorf("PostgreSQL is required: %w", err))
+		}
+		dbURL = u
+		if !cfg.KeepDB {
+			defer dropDatabase(cfg.DatabaseURL, dbName)
+		} else {
+			fmt.Fprintln(os.Stderr, "idemload: keeping database", dbName)
+		}
 	}
 	rep.Machine.PostgreSQL = serverVersion(ctx, dbURL)
 
 	var b [4]byte
 	_, _ = rand.Read(b[:])
-	e := &env{dbURL: dbURL, pool: cfg.Pool, conc: cfg.Concurrency, run: "idemload:" + hex.EncodeToString(b[:]) + ":"}
+	e := &env{dbURL: dbURL, citus: cfg.Citus, pool: cfg.Pool, conc: cfg.Concurrency, run: "idemload:" + hex.EncodeToString(b[:]) + ":"}
 
 	// The peer only when Redis answers.
 	var active []string

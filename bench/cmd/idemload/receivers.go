@@ -19,6 +19,7 @@ import (
 	redisstore "github.com/gofiber/storage/redis/v3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemops"
 	"github.com/pgidem/idem/idempgx"
 	"github.com/redis/go-redis/v9"
 )
@@ -96,6 +97,7 @@ func (rc *receiver) count(c *reqCount, path string) {
 // env is what building receivers needs.
 type env struct {
 	dbURL string
+	citus bool // distribute the tables (config.Citus)
 	pool  int
 	conc  int
 	run   string // this run's id, in every event id
@@ -120,7 +122,7 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		rc.ledger = "ledger_" + sqlName(kind)
 		rc.keys = "keys_" + sqlName(kind)
 		if shared == nil {
-			if err := rc.createTables(ctx, kind); err != nil {
+			if err := rc.createTables(ctx, kind, e.citus); err != nil {
 				db.Close()
 				return nil, err
 			}
@@ -190,16 +192,35 @@ func sqlName(kind string) string {
 	return string(b)
 }
 
-func (rc *receiver) createTables(ctx context.Context, kind string) error {
+func (rc *receiver) createTables(ctx context.Context, kind string, citus bool) error {
+	key := `id bigserial PRIMARY KEY`
+	if citus {
+		// Citus enforces a primary key only with the distribution column
+		// in it; the tables of an earlier run go first.
+		key = `id bigserial, PRIMARY KEY (event_id, id)`
+		if _, err := rc.db.ExecContext(ctx, `DROP TABLE IF EXISTS `+rc.ledger+`, `+rc.keys); err != nil {
+			return err
+		}
+	}
 	if _, err := rc.db.ExecContext(ctx, `CREATE TABLE `+rc.ledger+` (
-		id bigserial PRIMARY KEY, event_id text NOT NULL, body bytea NOT NULL)`); err != nil {
+		event_id text NOT NULL, body bytea NOT NULL, `+key+`)`); err != nil {
 		return fmt.Errorf("create %s: %w", rc.ledger, err)
+	}
+	if citus {
+		if _, err := rc.db.ExecContext(ctx, `SELECT create_distributed_table($1, 'event_id')`, rc.ledger); err != nil {
+			return fmt.Errorf("distribute %s: %w", rc.ledger, err)
+		}
 	}
 	if hasKeyTable(kind) {
 		// The inline handler uses idem's own schema, so both pay for the same
 		// table and index.
 		if err := idem.Migrate(ctx, rc.db, rc.keys); err != nil {
 			return err
+		}
+		if citus {
+			if _, err := idemops.Distribute(ctx, rc.db, idemops.DistributeOptions{Table: rc.keys, ColocateWith: rc.ledger}); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
