@@ -42,8 +42,10 @@ func (x *exchange) answer(rec *recorder) {
 func (x *exchange) send(status int, body []byte) {
 	h := x.w.Header()
 	trailers := takeTrailers(h)
-	if trailers == nil { // with one, HTTP/1.1 must chunk to send it
+	if trailers == nil {
 		h.Set("Content-Length", strconv.Itoa(len(body)))
+	} else { // with one, HTTP/1.1 must chunk to send it
+		h.Del("Content-Length")
 	}
 	x.obs.Status = status
 	x.observe()

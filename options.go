@@ -204,12 +204,17 @@ type Options struct {
 	// (PhaseDelivery, PhaseClaim, PhaseWait, PhaseHandler, PhaseCommit)
 	// with the context the phase would run with, and the key; the context
 	// it returns is the one the phase runs with (its SQL statements, the
-	// handler), and the function it returns, if not nil, is called when
-	// the phase ends, with the error it failed with, if any. It is for
-	// tracing (package idemotel starts a span per phase, so that the SQL
-	// spans of a traced driver nest under them). Phases run on the
-	// request's goroutine but for PhaseCommit's end, which may come on
-	// another; keep it fast. nil costs nothing.
+	// handler), and the function it returns, if not nil, is called once
+	// when the phase ends, with the error it failed with, if any: idem's
+	// own errors (PhaseHandler ends with nil for an HTTP handler, whatever
+	// it answered; with fn's error for Do). It is for tracing (package
+	// idemotel starts a span per phase, so that the SQL spans of a traced
+	// driver nest under them). The context it returns must derive from
+	// ctx: it carries HandlerTimeout's deadline and idem's state. A COMMIT
+	// still running at HandlerTimeout goes on, but PhaseCommit ends then,
+	// with ErrHandlerTimeout; the COMMIT's outcome is only logged. Phases
+	// start and end on the request's goroutine; keep it fast. nil costs
+	// nothing.
 	OnPhase func(ctx context.Context, p Phase, key Key) (context.Context, func(err error))
 }
 

@@ -201,14 +201,19 @@ func takeTrailers(h http.Header) http.Header {
 }
 
 // rpcStoredHeaders is appendHeaderJSON for a gRPC or gRPC-Web answer: the
-// replayed headers, Grpc-Encoding (the message cannot be read without it)
-// and every trailer, under its name with http.TrailerPrefix, as a handler
+// replayed headers, Grpc-Encoding (the message cannot be read without it),
+// the status of a trailers-only answer (in its headers) and every trailer, under its name with http.TrailerPrefix, as a handler
 // sets one.
 func rpcStoredHeaders(dst []byte, h http.Header, names []string) []byte {
 	all := make(http.Header, len(names)+4)
 	keep := names[:len(names):len(names)]
 	if !slices.Contains(keep, "Grpc-Encoding") {
 		keep = append(keep, "Grpc-Encoding")
+	}
+	for _, k := range []string{"Grpc-Status", "Grpc-Message", "Grpc-Status-Details-Bin"} {
+		if _, ok := h[k]; ok && !declared(h, k) { // a trailers-only answer's status
+			keep = append(keep, k)
+		}
 	}
 	for _, k := range keep {
 		if vs, ok := h[k]; ok {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"testing"
 
 	"github.com/pgidem/idem"
@@ -46,6 +47,12 @@ var rpcShapes = map[string]func(w http.ResponseWriter, msg []byte){
 		w.Header().Set(http.TrailerPrefix+"Grpc-Message", "")
 		w.Header().Set(http.TrailerPrefix+"X-Ledger-Trailer", "kept")
 	},
+	"grpc-ok-content-length": func(w http.ResponseWriter, msg []byte) {
+		w.Header().Set("Content-Type", "application/grpc")
+		w.Header().Set("Content-Length", strconv.Itoa(len(msg)))
+		_, _ = w.Write(msg)
+		w.Header().Set(http.TrailerPrefix+"Grpc-Status", "0")
+	},
 	"grpc-error": func(w http.ResponseWriter, msg []byte) {
 		w.Header().Set("Content-Type", "application/grpc")
 		_, _ = w.Write(msg)
@@ -66,6 +73,15 @@ var rpcShapes = map[string]func(w http.ResponseWriter, msg []byte){
 		w.Header().Set("Trailer", "Grpc-Status")
 		_, _ = w.Write(msg)
 		w.Header().Set("Grpc-Status", "0")
+	},
+	// a success with no message, status in the headers (a trailers-only
+	// answer, as connect-go writes an empty stream without headers of its
+	// own); a Content-Length set by the handler too.
+	"grpc-trailers-only-ok": func(w http.ResponseWriter, msg []byte) {
+		w.Header().Set("Content-Type", "application/grpc")
+		w.Header().Set("Grpc-Status", "0")
+		w.Header().Set("Grpc-Message", "")
+		w.WriteHeader(http.StatusOK)
 	},
 	"grpc-no-status": func(w http.ResponseWriter, msg []byte) {
 		w.Header().Set("Content-Type", "application/grpc")
@@ -211,6 +227,28 @@ func TestRPCAnswerStoredOnlyOnSuccessWithItsTrailers(t *testing.T) {
 					assert.Equal(t, rows+1, f.ledgerRows(), "one effect")
 					assert.Equal(t, runs+1, f.runs.Load(), "the retry did not run the handler")
 				}
+			})
+			t.Run("a trailers-only gRPC success is replayed with its status", func(t *testing.T) {
+				id := proto + "grpc-trailers-only-ok"
+				rows, runs := f.ledgerRows(), f.runs.Load()
+				first := rpcCall(t, srv.Client(), srv.URL, id, "grpc-trailers-only-ok")
+				require.Equal(t, http.StatusOK, first.status)
+				require.Equal(t, "0", first.header.Get("Grpc-Status"))
+				retry := rpcCall(t, srv.Client(), srv.URL, id, "grpc-trailers-only-ok")
+				assert.Equal(t, "true", retry.header.Get("Idempotent-Replayed"))
+				assert.Equal(t, "0", retry.header.Get("Grpc-Status")+retry.trailer.Get("Grpc-Status"), "the replay carries the status")
+				assert.Empty(t, retry.body)
+				assert.Equal(t, rows+1, f.ledgerRows(), "one effect")
+				assert.Equal(t, runs+1, f.runs.Load(), "the retry did not run the handler")
+			})
+			t.Run("a handler's Content-Length does not drop the trailers", func(t *testing.T) {
+				id := proto + "grpc-ok-cl"
+				first := rpcCall(t, srv.Client(), srv.URL, id, "grpc-ok-content-length")
+				require.Equal(t, http.StatusOK, first.status)
+				assert.Equal(t, "0", first.trailer.Get("Grpc-Status"), "the trailer reached the client")
+				retry := rpcCall(t, srv.Client(), srv.URL, id, "grpc-ok-content-length")
+				assert.Equal(t, "true", retry.header.Get("Idempotent-Replayed"))
+				assert.Equal(t, "0", retry.trailer.Get("Grpc-Status"))
 			})
 			t.Run("gRPC errors and unreadable statuses pass through, not stored", func(t *testing.T) {
 				for shape, status := range map[string]string{
