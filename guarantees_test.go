@@ -46,7 +46,7 @@ func TestGuaranteesNameRealTests(t *testing.T) {
 	providers, err := filepath.Glob("internal/providertest/*_test.go") // the verifying presets against the providers' libraries
 	require.NoError(t, err)
 	files = append(files, providers...)
-	for _, dir := range []string{"cmd/idem", "idemgin", "idemprom", "idemui", "idemgrpc", "idemwatermill", "idemnats", "idemrabbitmq", "internal/browsertest", "internal/connecttest"} { // the command and the modules beside the root
+	for _, dir := range []string{"cmd/idem", "idemgin", "idemprom", "idemui", "idemgrpc", "idemwatermill", "idemnats", "idemrabbitmq", "internal/browsertest", "internal/connecttest", "internal/citustest", "internal/hatest"} { // the command and the modules beside the root
 		more, err := filepath.Glob(dir + "/*_test.go")
 		require.NoError(t, err)
 		files = append(files, more...)
