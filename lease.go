@@ -46,8 +46,10 @@ func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
 	claimCtx, endClaim := m.phase(ctx, PhaseClaim, key)
+	defer endOnPanic(&endClaim)
 	l, p, o := m.claimLease(claimCtx, &x.args)
 	endPhase(endClaim, p.cause())
+	endClaim = nil
 	if p != nil {
 		x.fail(o, p)
 		return
