@@ -133,13 +133,17 @@ func (c *sqlConn) run(ctx context.Context, s *driver.Stmt, commits bool) error {
 }
 
 // Close rolls back the transaction, if one is open, and gives the
-// connection back to the pool.
+// connection back to the pool. A rollback that failed for a lost
+// connection wraps driver.ErrConnLost.
 func (c *sqlConn) Close(context.Context) error {
 	var err error
 	if tx := c.tx; tx != nil {
 		c.tx = nil
-		if err = tx.Rollback(); errors.Is(err, sql.ErrTxDone) {
+		switch err = tx.Rollback(); {
+		case errors.Is(err, sql.ErrTxDone):
 			err = nil
+		case driver.ConnLost(err):
+			err = fmt.Errorf("%w: %w", driver.ErrConnLost, err)
 		}
 	}
 	if conn := c.conn; conn != nil {

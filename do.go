@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // Result is what Do returns for a key it completed, or found completed.
@@ -143,7 +145,7 @@ func (m *Middleware) runDo(ctx context.Context, x *exchange, tx finisher, state 
 	case err != nil:
 		// fn's own error: roll back the claim and fn's writes, so that a
 		// redelivery runs fn again.
-		if rbErr := tx.Rollback(ctx); rbErr != nil && ctx.Err() == nil {
+		if rbErr := tx.Rollback(ctx); errors.Is(rbErr, driver.ErrConnLost) && ctx.Err() == nil {
 			x.fail(OutcomeStoreError, connectionLost(0, fmt.Errorf("%w; fn returned: %w", rbErr, err)))
 			return
 		}

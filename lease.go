@@ -46,8 +46,10 @@ func (m *Middleware) serveLease(ctx context.Context, x *exchange, key Key) {
 	ctx, cancel := context.WithTimeout(ctx, m.handlerTimeout)
 	defer cancel()
 	claimCtx, endClaim := m.phase(ctx, PhaseClaim, key)
+	defer endOnPanic(&endClaim)
 	l, p, o := m.claimLease(claimCtx, &x.args)
 	endPhase(endClaim, p.cause())
+	endClaim = nil
 	if p != nil {
 		x.fail(o, p)
 		return
@@ -162,23 +164,27 @@ func (r *leaseRun) Commit(ctx context.Context, a *driver.Args, status int, heade
 // transaction itself, the key is kept instead, as a claim without an
 // answer: redeliveries get 409, as in single-transaction mode, and
 // check reports it.
+//
+// Its error is only the handler's transaction's: a failure to release the
+// key is logged, not returned, since the engine reads a rollback's error as
+// the handler's connection lost under it (and answers 503 instead of the
+// handler's answer); a handler that never used the database lost nothing.
 func (r *leaseRun) Rollback(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
-	var errs []error
+	var err error
 	if tx, _ := r.lazy.close(); tx != nil {
-		errs = append(errs, tx.Rollback(ctx))
+		err = tx.Rollback(ctx)
 	}
 	what := "releasing a lease failed; the key's next delivery waits for the lease to run out"
 	if r.keep {
 		what = "keeping the claim of a handler that ended its transaction failed; the key runs again once its lease runs out"
 	}
 	if err := r.m.drv.EndLease(ctx, r.a, r.token, r.keep); err != nil {
-		errs = append(errs, err)
 		r.m.logr().LogAttrs(ctx, slog.LevelError, "idem: "+what,
 			slog.String("source", r.a.Source), slog.String("event_id", r.a.EventID), slog.Any("error", err))
 	}
-	return errors.Join(errs...)
+	return err
 }
 
 // lazyTx is the handler's transaction in lease mode, begun when the

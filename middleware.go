@@ -190,6 +190,7 @@ type exchange struct {
 	args    driver.Args // the key's claim
 	// endDelivery ends PhaseDelivery, after the Observer (Options.OnPhase).
 	endDelivery func(error)
+	observed    bool // observe was called
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -223,7 +224,37 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // claim) with its wait and takeover, then the handler and the COMMIT. Its
 // answer goes to x. ctx is the request's context, detached from the client
 // once the replay cache has not answered, or the context of Do's caller.
+//
+// A panic (the database driver's, in the claim or the COMMIT) goes on, and
+// the delivery is observed first, and its PhaseDelivery ended, if nothing
+// observed it yet (a panicking handler is observed by run or runDo).
 func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
+	returned := false
+	defer func() {
+		if !returned && !x.observed {
+			x.obs.Outcome, x.obs.Err = OutcomeStoreError, errDeliveryPanicked
+			x.observe()
+		}
+	}()
+	m.deliverKey(ctx, x, key)
+	returned = true
+}
+
+// errDeliveryPanicked is the Observation's error of a delivery that a
+// panic outside the handler ended: the database driver's, most likely.
+var errDeliveryPanicked = errors.New("idem: a panic outside the handler (in the database driver?) ended the delivery")
+
+// endOnPanic, deferred, ends the phase *end with errDeliveryPanicked if it
+// is still open when the function returns: that function panicked before
+// it could end it (and set *end to nil).
+func endOnPanic(end *func(error)) {
+	if *end != nil {
+		(*end)(errDeliveryPanicked)
+	}
+}
+
+// deliverKey is deliver without its care for panics.
+func (m *Middleware) deliverKey(ctx context.Context, x *exchange, key Key) {
 	digest := sha256.Sum256(x.payload)
 	if m.onPhase != nil {
 		ctx, x.endDelivery = m.phase(ctx, PhaseDelivery, key)
@@ -288,8 +319,10 @@ func (m *Middleware) deliver(ctx context.Context, x *exchange, key Key) {
 	ctx, cancel := context.WithTimeout(ctx, m.lockWait+m.handlerTimeout)
 	defer cancel()
 	claimCtx, endClaim := m.phase(ctx, PhaseClaim, key)
+	defer endOnPanic(&endClaim)
 	c := m.claim(claimCtx, &x.args, deadline)
 	endPhase(endClaim, c.problem.cause())
+	endClaim = nil
 	x.obs.TookOver = c.tookOver
 	x.obs.Wait += c.waited
 	switch {

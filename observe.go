@@ -164,6 +164,7 @@ func (m *Middleware) Stats() Stats {
 }
 
 func (x *exchange) observe() {
+	x.observed = true
 	if x.m.observer != nil {
 		x.obs.Duration = time.Since(x.start)
 		x.m.observer(x.obs)

@@ -83,7 +83,7 @@ func (m *Middleware) run(ctx context.Context, x *exchange, tx finisher, state re
 	case !final:
 		// Not final: roll back the claim and the handler's writes, so the
 		// sender's retry runs again; send the handler's answer as it is.
-		if err := tx.Rollback(ctx); err != nil && ctx.Err() == nil {
+		if err := tx.Rollback(ctx); errors.Is(err, driver.ErrConnLost) && ctx.Err() == nil {
 			// The claim's connection died under the handler (a failover,
 			// a terminated backend): its answer is most likely about that.
 			// A store failure, answered 503 with Retry-After.
@@ -260,10 +260,12 @@ func (m *Middleware) logLateCommit(key Key, method string, err error) {
 		slog.String("method", method), slog.Any("error", err))
 }
 
-// connectionLost is the problem of a claim whose rollback failed after the
-// handler answered status (not final, or, for Do, an error: 0): the claim's
-// connection died while the handler ran, so the store failed, whatever
-// the handler made of it. Nothing was committed.
+// connectionLost is the problem of a claim whose rollback found its
+// connection lost (driver.ErrConnLost) after the handler answered status
+// (not final, or, for Do, an error: 0): the claim's connection died while
+// the handler ran, so the store failed, whatever the handler made of it.
+// Nothing was committed. Any other rollback failure leaves the handler's
+// answer.
 func connectionLost(status int, err error) *Problem {
 	what := fmt.Sprintf("the handler answered %d", status)
 	if status == 0 {

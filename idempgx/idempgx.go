@@ -247,6 +247,11 @@ func (t *pgxConn) Close(ctx context.Context) error {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		err = t.h.tx.Rollback(rctx)
 		cancel()
+		if driver.ConnLost(err) || errors.Is(err, pgconn.ErrConnClosed) {
+			// Not a refusal on a live connection ("conn busy": the
+			// handler left rows open), which leaves the handler's answer.
+			err = fmt.Errorf("%w: %w", driver.ErrConnLost, err)
+		}
 	}
 	t.done = true
 	if t.h != nil {
@@ -258,7 +263,7 @@ func (t *pgxConn) Close(ctx context.Context) error {
 
 // errConnLost is Close's error when the connection closed while a
 // transaction was open on it.
-var errConnLost = errors.New("idem: the connection closed with the transaction open")
+var errConnLost = fmt.Errorf("%w: pgx closed it", driver.ErrConnLost)
 
 // txOptions are pgx's options for database/sql's, which package claims
 // has validated (driver.IsoLevel).

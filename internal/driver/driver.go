@@ -12,8 +12,13 @@ package driver
 
 import (
 	"context"
+	"database/sql"
+	sqldriver "database/sql/driver"
 	"errors"
+	"io"
+	"net"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -203,7 +208,8 @@ type Tx interface {
 	// nothing was committed; the caller then calls Rollback.
 	Commit(ctx context.Context, a *Args, status int, headers, body []byte) error
 	// Rollback ends the transaction, if it is still open, and gives the
-	// connection back. It is safe to call more than once.
+	// connection back. It is safe to call more than once. Its error wraps
+	// ErrConnLost when the connection was lost with the transaction open.
 	Rollback(ctx context.Context) error
 	// Handle is what the handler gets from the request's context: a *sql.Tx
 	// or a pgx.Tx.
@@ -218,6 +224,57 @@ var ErrTxDone = errors.New("the handler ended the middleware's transaction")
 // (COMMIT or ROLLBACK of its own, not a call the adapter refused): its
 // writes may have committed, so the key must not run again.
 var ErrTxEnded = errors.New("the transaction was ended by the handler; its writes may have committed")
+
+// ErrConnLost wraps the error of a rollback whose connection was lost with
+// the transaction open (a failover, a terminated backend, a broken socket):
+// the server rolled it back, if it lives, and the handler's answer is most
+// likely about that, so the engine answers a store failure instead. A
+// rollback refused on a live connection (pgx's "conn busy", when the
+// handler left rows open) does not wrap it: the handler's answer stands.
+// Adapters wrap it in Conn.Close, for the errors ConnLost recognises.
+var ErrConnLost = errors.New("idem: the connection was lost with the transaction open")
+
+// ConnLost reports whether err, a failed ROLLBACK's, says that the
+// connection is gone: database/sql's bad or done connection, the socket
+// closed or broken, a ROLLBACK the server did not answer in time, the
+// server ending the session (SQLSTATE class 08, or 57P01-57P03: a
+// terminated backend, a shutdown), or pgx's pgconn.ErrConnClosed (matched
+// by its text, as this module's root imports only the standard library).
+func ConnLost(err error) bool {
+	var ne net.Error
+	switch code := SQLState(err); {
+	case err == nil:
+		return false
+	case errors.Is(err, sqldriver.ErrBadConn), errors.Is(err, sql.ErrConnDone),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed),
+		errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne):
+		return true
+	case strings.HasPrefix(code, "08"), code == "57P01", code == "57P02", code == "57P03":
+		return true
+	}
+	return inChain(err, func(e error) bool { return e.Error() == "conn closed" })
+}
+
+// inChain reports whether f holds for err or an error it wraps.
+func inChain(err error, f func(error) bool) bool {
+	if err == nil {
+		return false
+	}
+	if f(err) {
+		return true
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return inChain(u.Unwrap(), f)
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if inChain(e, f) {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 // ErrNotStored is Commit's error when the answer's UPDATE found no claim to
 // complete: the handler deleted or completed the key's row itself.

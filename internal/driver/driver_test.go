@@ -1,6 +1,12 @@
 package driver
 
 import (
+	"database/sql"
+	sqldriver "database/sql/driver"
+	"errors"
+	"fmt"
+	"io"
+	"net"
 	"testing"
 	"time"
 )
@@ -61,5 +67,37 @@ func TestLookupReadsTheLockFirstAndTrailLast(t *testing.T) {
 	*dest[8].(*string) = "0"
 	if row := s.Row(); row.State != Free || restored != "0" {
 		t.Fatalf("%d %q", row.State, restored)
+	}
+}
+
+// sqlStateErr is a server error with a SQLSTATE, as pgx's *pgconn.PgError.
+type sqlStateErr string
+
+func (e sqlStateErr) Error() string    { return "server error " + string(e) }
+func (e sqlStateErr) SQLState() string { return string(e) }
+
+// Only the errors of a connection that is gone are a lost connection; a
+// ROLLBACK refused on a live one (pgx's "conn busy") is not.
+func TestConnLostTellsAGoneConnectionFromARefusal(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, false},
+		{errors.New("conn busy"), false},
+		{sqlStateErr("25P02"), false},
+		{errors.New("conn closed"), true}, // pgconn.ErrConnClosed
+		{fmt.Errorf("rollback: %w", errors.New("conn closed")), true},
+		{errors.Join(errors.New("x"), errors.New("conn closed")), true},
+		{fmt.Errorf("rollback: %w", sqldriver.ErrBadConn), true},
+		{sql.ErrConnDone, true},
+		{fmt.Errorf("failed to receive message: %w", io.ErrUnexpectedEOF), true},
+		{&net.OpError{Op: "read", Err: errors.New("connection reset by peer")}, true},
+		{sqlStateErr("57P01"), true}, // a terminated backend
+		{sqlStateErr("08006"), true},
+	} {
+		if got := ConnLost(c.err); got != c.want {
+			t.Errorf("ConnLost(%v) = %v, want %v", c.err, got, c.want)
+		}
 	}
 }
