@@ -487,8 +487,8 @@ func (c *benchNoopConn) QueryContext(_ context.Context, q string, _ []driver.Nam
 			return &benchNoopRows{cols: benchOneCol}, nil
 		}
 		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{int64(1)}}, nil
-	case strings.Contains(q, "relkind = 'p'"): // the middleware's first claim: is the table partitioned?
-		return &benchNoopRows{cols: benchOneCol, row: []driver.Value{false}}, nil
+	case strings.Contains(q, "relkind = 'p'"): // the middleware's first claim: is the table partitioned, is Citus there?
+		return &benchNoopRows{cols: []string{"partitioned", "citus"}, row: []driver.Value{false, false}}, nil
 	case strings.HasPrefix(q, "SELECT payload_digest"): // the inline lookup
 		return &benchNoopRows{cols: benchLookupCols, row: []driver.Value{cc.digest, int64(201), cc.answer}}, nil
 	}

@@ -37,9 +37,10 @@ func newMockCase(t *testing.T) *mockCase {
 	t.Cleanup(func() { db.Close() })
 	mw, err := idem.New(db, idem.Options{KeyFunc: idem.Header("test", "X-Event-Id")})
 	require.NoError(t, err)
-	// The first claim asks whether the table is partitioned: it is not.
+	// The first claim asks whether the table is partitioned, and whether
+	// Citus is installed: neither.
 	mock.ExpectQuery(`relkind = 'p'`).WithArgs(`"webhook_idempotency"`).
-		WillReturnRows(sqlmock.NewRows([]string{"partitioned"}).AddRow(false))
+		WillReturnRows(sqlmock.NewRows([]string{"partitioned", "citus"}).AddRow(false, false))
 	c := &mockCase{mock: mock}
 	c.h = mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		c.runs++

@@ -4,10 +4,9 @@
 //
 // It is the same middleware as idem.New's, on the same table, with the same
 // Options and the same answers: instances of both can serve one table side
-// by side. What differs is the wire: pgx sends BEGIN in one round trip with
-// the claim, and the stored answer in one round trip with COMMIT, so a new
-// event whose handler runs one statement costs 3 round trips where
-// database/sql needs 5.
+// by side. What differs is the wire: BEGIN goes with the claim, the answer
+// with COMMIT, so a one-statement handler's new event costs 3 round trips
+// where database/sql needs 5.
 //
 //	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 //	err = idempgx.Migrate(ctx, pool, "")
@@ -23,7 +22,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,12 +41,8 @@ import (
 // database: a database that is down answers 503 per request. With
 // TxOptions nil, the transactions are READ COMMITTED, stated in their BEGIN
 // whatever the server's default_transaction_isolation: the claim is built
-// for it.
-//
-// New logs a warning (to opts.Logger) when the pool's connection string
-// names more than one host without connect_timeout: a host that does not
-// answer (a frozen primary) would hold up every new connection, and the
-// next host would never be tried (docs/ha.md).
+// for it. New warns (opts.Logger) of a pool whose connection string names
+// several hosts without connect_timeout (docs/ha.md).
 func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if pool == nil {
 		return nil, errors.New("idem: idempgx.New needs a *pgxpool.Pool")
@@ -57,13 +51,7 @@ func New(pool *pgxpool.Pool, opts idem.Options) (*idem.Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	if w := connstr.Warning(&pool.Config().ConnConfig.Config); w != "" {
-		logger := opts.Logger
-		if logger == nil {
-			logger = slog.Default()
-		}
-		logger.LogAttrs(context.Background(), slog.LevelWarn, w)
-	}
+	connstr.Warn(opts.Logger, &pool.Config().ConnConfig.Config)
 	return mw.(*idem.Middleware), nil
 }
 
@@ -84,8 +72,7 @@ func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
 	return tx, ok
 }
 
-// Migrate creates the idempotency table and its index if they do not
-// exist, as idem.Migrate does, through pool.
+// Migrate is idem.Migrate through pool: the table and its index, if new.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, table string) error {
 	return MigrateWith(ctx, pool, idem.MigrateOptions{Table: table})
 }
@@ -152,10 +139,10 @@ func (t *pgxConn) Send(ctx context.Context, b *driver.Batch) error {
 		if err := t.canCommit(ctx); err != nil {
 			return err
 		}
-		// Never cancelled: pgx cancels a query whose context ends (either
-		// context watcher); the engine stops waiting at its deadline.
+		// Never cancelled (pgx would); the engine stops waiting at its
+		// deadline. COMMIT when open, or opened by this batch.
 		ctx = context.WithoutCancel(ctx)
-		if t.open || b.Begin != nil { // open, or opened by this batch
+		if t.open || b.Begin != nil {
 			end = "COMMIT"
 		}
 	case b.Rollback:
@@ -236,20 +223,15 @@ func (t *pgxConn) Close(ctx context.Context) error {
 	}
 	var err error
 	switch {
-	case t.open && t.c.IsClosed():
-		// The connection died with the transaction open (a failover, a
-		// terminated backend): rolled back by the server, if it lives;
-		// the engine answers a store failure.
-		err = errConnLost
+	case t.open && t.c.IsClosed(): // it died (a failover, a killed backend): rolled back
+		err = fmt.Errorf("%w: pgx closed it", driver.ErrConnLost)
 	case t.open && t.c.PgConn().TxStatus() != 'I':
 		// Bounded, after the request's own deadline: past it the
 		// connection is closed, which rolls back too.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		err = t.h.tx.Rollback(rctx)
 		cancel()
-		if driver.ConnLost(err) || errors.Is(err, pgconn.ErrConnClosed) {
-			// Not a refusal on a live connection ("conn busy": the
-			// handler left rows open), which leaves the handler's answer.
+		if driver.ConnLost(err) || errors.Is(err, pgconn.ErrConnClosed) { // not "conn busy" on a live one
 			err = fmt.Errorf("%w: %w", driver.ErrConnLost, err)
 		}
 	}
@@ -260,10 +242,6 @@ func (t *pgxConn) Close(ctx context.Context) error {
 	t.conn.Release()
 	return err
 }
-
-// errConnLost is Close's error when the connection closed while a
-// transaction was open on it.
-var errConnLost = fmt.Errorf("%w: pgx closed it", driver.ErrConnLost)
 
 // txOptions are pgx's options for database/sql's, which package claims
 // has validated (driver.IsoLevel).

@@ -10,10 +10,9 @@ import (
 )
 
 // handleTx is the pgx.Tx a handler gets from Tx: the request's transaction,
-// whose Commit and Rollback belong to the middleware, or a savepoint within
-// it (Begin). Everything else goes to pgx's own transaction, begun in the
-// claim's batch, and fails with pgx.ErrTxClosed once the middleware has
-// ended the request's transaction and given its connection back.
+// whose Commit and Rollback belong to the middleware, or a savepoint in it
+// (Begin). The rest goes to pgx's transaction, begun in the claim's batch,
+// and fails with pgx.ErrTxClosed once the middleware has ended it.
 type handleTx struct {
 	tx     pgx.Tx
 	root   *handleTx // the request's handle; t itself at the top
@@ -105,9 +104,8 @@ func (t *handleTx) Prepare(ctx context.Context, name, sql string) (*pgconn.State
 	return t.tx.Prepare(ctx, name, sql)
 }
 
-// LargeObjects returns pgx's large objects of the transaction. Like Conn,
-// it is for use while the handler runs: what it returns cannot know when
-// the middleware has given the connection back.
+// LargeObjects returns pgx's large objects of the transaction, for use
+// while the handler runs only, as Conn.
 func (t *handleTx) LargeObjects() pgx.LargeObjects { return t.tx.LargeObjects() }
 
 // Conn returns the connection the transaction runs on, for use while the

@@ -5,6 +5,8 @@
 package connstr
 
 import (
+	"context"
+	"log/slog"
 	"net"
 	"strconv"
 	"strings"
@@ -45,4 +47,17 @@ func Warning(cfg *pgconn.Config) string {
 	return "idem: the connection string names " + strconv.Itoa(len(hosts)) + " hosts (" + strings.Join(hosts, ", ") +
 		") but no connect_timeout: a host that does not answer (a frozen primary, a dropped network) holds every new connection " +
 		"until its context ends or TCP gives up, and the next host is never tried; add connect_timeout=5 to it (see docs/ha.md)"
+}
+
+// Warn logs Warning's text, if any, at level WARN to logger (slog.Default()
+// when nil).
+func Warn(logger *slog.Logger, cfg *pgconn.Config) {
+	w := Warning(cfg)
+	if w == "" {
+		return
+	}
+	if logger == nil {
+		logger = slog.Default()
+	}
+	logger.LogAttrs(context.Background(), slog.LevelWarn, w)
 }
