@@ -53,7 +53,16 @@ together "partitioned tables, database/sql adapter" partitioned sql ./idemops \
 
 modules=("every benchmark once" benchmarks --)
 [ -f examples/go.mod ] && modules+=("examples module: build and go test -race" examples --)
-for m in idemgin idemprom idemui idemgrpc idemotel idemnats idemrabbitmq idemwatermill; do
+for m in idemgin idemprom idemui idemgrpc; do
+  [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
+done
+# The modules run in three groups, not all at once: seventeen test
+# processes side by side on two cores starved the timing-sensitive ones
+# (a browser, broker storms, a failover).
+modules+=("module zips: only source (no binary, no non-script executable, no file over 1 MiB)" zips --)
+together "${modules[@]}"
+modules=()
+for m in idemotel idemnats idemrabbitmq idemwatermill; do
   [ -f $m/go.mod ] && modules+=("$m module: go test -race" module $m --)
 done
 # The verifying presets against the providers' own signing libraries
@@ -67,6 +76,8 @@ browser() {
   echo "screenshots of the pages: $shots"
   cd internal/browsertest && go vet ./... && IDEM_SCREENSHOTS=$shots go test -race -count=1 ./...
 }
+together "${modules[@]}"
+modules=()
 [ -f internal/browsertest/go.mod ] && modules+=("operator UI in headless Chromium: go test" browser --)
 # A Connect handler behind the HTTP middleware, called by connect's and
 # grpc-go's clients (Connect, gRPC, gRPC-Web): a test-only module, so
@@ -82,7 +93,6 @@ modules+=("pg_auto_failover: a switchover and a kill of the primary mid-storm (g
 [ -f bench/go.mod ] && modules+=("bench module: build, test, and a short load run" bench_module --)
 # Releases (RELEASING.md): what each public module's zip would hold, from
 # the committed files, and the publish rehearsal.
-modules+=("module zips: only source (no binary, no non-script executable, no file over 1 MiB)" zips --)
 modules+=("publish rehearsal: every public module installed as a new user would, as if HEAD were tagged" bash scripts/publish-rehearsal.sh --)
 # Time-bounded fuzzing of every parser of untrusted input.
 modules+=("fuzzing" bash scripts/fuzz.sh --)
