@@ -5,7 +5,7 @@
 #
 # The passes that do not contend run side by side (scripts/steps.sh), and
 # each step prints its seconds; the table at the end shows what each costs.
-# On an idle 2-core machine the whole command took about 15 minutes on
+# On an idle 2-core machine the whole command took about 12 minutes on
 # 2 December 2026 (it was under 10 before the consumer, OpenTelemetry,
 # Connect and failover suites): bring it back under 10.
 set -euo pipefail
