@@ -72,7 +72,7 @@ func (w *benchWorld) doImpl(b *testing.B, impl string) func(ctx context.Context,
 			return err
 		}
 	case "inline":
-		claim, complete := inlineDoSQL(w.table)
+		claim, complete := benchref.InlineDoSQL(w.table)
 		return func(ctx context.Context, id string, body []byte) error {
 			digest := sha256.Sum256(body)
 			tx, err := w.db.BeginTx(ctx, nil)
@@ -113,7 +113,7 @@ func (w *benchWorld) doImpl(b *testing.B, impl string) func(ctx context.Context,
 			return err
 		}
 	case "inline-pgx":
-		claim, complete := inlineDoSQL(w.table)
+		claim, complete := benchref.InlineDoSQL(w.table)
 		return func(ctx context.Context, id string, body []byte) error {
 			digest := sha256.Sum256(body)
 			tx, err := pool.Begin(ctx)
@@ -137,19 +137,6 @@ func (w *benchWorld) doImpl(b *testing.B, impl string) func(ctx context.Context,
 	}
 	b.Fatalf("unknown impl %q", impl)
 	return nil
-}
-
-// inlineDoSQL is the hand-written claim and completion on table: an INSERT
-// of the key that does nothing for a key already there, and the UPDATE
-// that stores the value as Do stores it.
-func inlineDoSQL(table string) (claim, complete string) {
-	q := `"` + table + `"`
-	claim = `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
-ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
-	complete = `UPDATE ` + q + `
-SET response_status = 200, response_headers = '{}', response_body = $3, completed_at = now()
-WHERE source = $1 AND event_id = $2`
-	return claim, complete
 }
 
 // pgxPool is a pgx pool of benchPool connections on the world's database,

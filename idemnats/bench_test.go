@@ -2,50 +2,61 @@ package idemnats_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemnats"
+	"github.com/pgidem/idem/internal/benchref"
 	"github.com/stretchr/testify/require"
 )
 
 // BenchmarkConsume: a JetStream message handled and acked, each appending
 // one ledger row: through idemnats (the claim, the row and the stored
-// outcome in one transaction, acked after COMMIT) against the same row
-// written by hand in a transaction of its own and acked after its COMMIT
-// (byhand), and against Middleware.Do called by hand with the message id
-// and acked after it returns (do: idemnats without the module, to tell
-// the module's own cost from the claim's), on each adapter. The three take
-// turns message by message (in rotating order), on three streams fetched
-// ahead, so that all meet the same load on a shared machine; the figures
-// are each one's time per message (byhand-ns/msg, do-ns/msg,
-// idemnats-ns/msg) and idemnats' throughput over byhand's (ratio) and over
-// do's (ratio-do); 1 is parity:
+// outcome in one transaction, acked after COMMIT) against three consumers
+// written by hand, each acking after its COMMIT: inline, the same
+// transaction with the claim's SQL written by hand (INSERT the key ... ON
+// CONFLICT DO NOTHING, the row, UPDATE the key, COMMIT: a transactional
+// inbox without idem, doing the same writes); byhand, the row alone in a
+// transaction of its own (no deduplication at all); and do,
+// Middleware.Do called by hand with the message id (idemnats without the
+// module, to tell the module's own cost from the claim's); on each adapter.
+// The four take turns message by message (in rotating order), on streams
+// fetched ahead, so that all meet the same load on a shared machine; the
+// figures are each one's time per message (inline-ns/msg, byhand-ns/msg,
+// do-ns/msg, idemnats-ns/msg) and idemnats' throughput over inline's
+// (ratio-inline), byhand's (ratio) and do's (ratio-do); 1 is parity:
 //
 //	go test -run '^$' -bench Consume -benchtime 400x -count 6 ./idemnats
 func BenchmarkConsume(b *testing.B) {
 	for _, adapter := range adapters {
 		b.Run(pgxOrSQL(adapter), func(b *testing.B) {
-			hand, do, idm := newWorld(b, adapter, idem.Options{}), newWorld(b, adapter, idem.Options{}), newWorld(b, adapter, idem.Options{})
-			handMsgs, doMsgs, idemMsgs := fetchAhead(b, hand, b.N), fetchAhead(b, do, b.N), fetchAhead(b, idm, b.N)
+			inl, hand, do, idm := newWorld(b, adapter, idem.Options{}), newWorld(b, adapter, idem.Options{}),
+				newWorld(b, adapter, idem.Options{}), newWorld(b, adapter, idem.Options{})
+			inlMsgs, handMsgs := fetchAhead(b, inl, b.N), fetchAhead(b, hand, b.N)
+			doMsgs, idemMsgs := fetchAhead(b, do, b.N), fetchAhead(b, idm, b.N)
 			write := func(w *world) idemnats.Handler {
 				return func(ctx context.Context, msg jetstream.Msg) error {
 					key, _ := idem.KeyFromContext(ctx)
 					return ledgerWrite(ctx, w.ledger, key.EventID, msg.Data())
 				}
 			}
-			byHand := hand.byHand(b)
+			byInline, byHand := inl.byInline(b), hand.byHand(b)
 			byDo := do.byDo(b, write(do))
 			c := idm.handler(idm.consumer(jetstream.ConsumerConfig{Durable: "bench", AckWait: time.Minute}), write(idm),
 				idemnats.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil)))) // Info, as slog.Default()
-			var times [3]time.Duration
-			run := [3]func(i int){
+			var times [4]time.Duration
+			run := [4]func(i int){
+				func(i int) { byInline(inlMsgs[i]) },
 				func(i int) { byHand(handMsgs[i]) },
 				func(i int) { byDo(doMsgs[i]) },
 				func(i int) { c.Handle(idemMsgs[i]) },
@@ -53,20 +64,21 @@ func BenchmarkConsume(b *testing.B) {
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := range b.N {
-				for k := range 3 {
-					v := (i + k) % 3
+				for k := range 4 {
+					v := (i + k) % 4
 					t0 := time.Now()
 					run[v](i)
 					times[v] += time.Since(t0)
 				}
 			}
 			b.StopTimer()
-			for v, name := range []string{"byhand", "do", "idemnats"} {
+			for v, name := range []string{"inline", "byhand", "do", "idemnats"} {
 				b.ReportMetric(float64(times[v].Nanoseconds())/float64(b.N), name+"-ns/msg")
 			}
-			b.ReportMetric(float64(times[0])/float64(times[2]), "ratio")
-			b.ReportMetric(float64(times[1])/float64(times[2]), "ratio-do")
-			for _, w := range []*world{hand, do, idm} {
+			b.ReportMetric(float64(times[0])/float64(times[3]), "ratio-inline")
+			b.ReportMetric(float64(times[1])/float64(times[3]), "ratio")
+			b.ReportMetric(float64(times[2])/float64(times[3]), "ratio-do")
+			for _, w := range []*world{inl, hand, do, idm} {
 				require.Equal(b, b.N, w.count(w.ledger, ""))
 			}
 		})
@@ -156,6 +168,57 @@ func (w *world) byHand(b *testing.B) func(msg jetstream.Msg) {
 			}
 		}
 		if err := msg.Ack(); err != nil {
+			b.Error(err)
+		}
+	}
+}
+
+// byInline is the transactional inbox written by hand, on the world's
+// adapter: BEGIN; the key's INSERT ... ON CONFLICT DO NOTHING (the same
+// key, source and digest idemnats claims); when the key is new, the ledger
+// row and the key's UPDATE storing the outcome; COMMIT; then the ack. A key
+// already there is acked without a write.
+func (w *world) byInline(b *testing.B) func(msg jetstream.Msg) {
+	claim, complete := benchref.InlineDoSQL(w.table)
+	write := `INSERT INTO ` + w.ledger + ` (event, body) VALUES ($1, $2)`
+	source := "nats:" + w.stream + "/bench"
+	return func(msg jetstream.Msg) {
+		ctx := context.Background()
+		id := msg.Headers().Get(jetstream.MsgIDHeader)
+		digest := sha256.Sum256(msg.Data())
+		var one int
+		var err error
+		if w.pool != nil {
+			var tx pgx.Tx
+			if tx, err = w.pool.Begin(ctx); err == nil {
+				if err = tx.QueryRow(ctx, claim, source, id, digest[:]).Scan(&one); err == nil {
+					if _, err = tx.Exec(ctx, write, id, string(msg.Data())); err == nil {
+						_, err = tx.Exec(ctx, complete, source, id, nil)
+					}
+				}
+				if err == nil || errors.Is(err, pgx.ErrNoRows) {
+					err = tx.Commit(ctx)
+				}
+				_ = tx.Rollback(ctx)
+			}
+		} else {
+			var tx *sql.Tx
+			if tx, err = db.BeginTx(ctx, nil); err == nil {
+				if err = tx.QueryRowContext(ctx, claim, source, id, digest[:]).Scan(&one); err == nil {
+					if _, err = tx.ExecContext(ctx, write, id, string(msg.Data())); err == nil {
+						_, err = tx.ExecContext(ctx, complete, source, id, nil)
+					}
+				}
+				if err == nil || errors.Is(err, sql.ErrNoRows) {
+					err = tx.Commit()
+				}
+				_ = tx.Rollback()
+			}
+		}
+		if err == nil {
+			err = msg.Ack()
+		}
+		if err != nil {
 			b.Error(err)
 		}
 	}

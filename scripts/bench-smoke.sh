@@ -13,6 +13,6 @@ go build -o bin/idemload ./cmd/idemload
 bin/idemload -duration 300ms -rounds 1 -warmup 50ms -keys 50 -c 8 -pool 4 -mix new,dup
 # The JSON report must parse, and a mixed workload must work too.
 bin/idemload -duration 200ms -rounds 1 -warmup 50ms -keys 20 -c 4 -pool 2 -mix 0.5 \
-  -receivers idem,inline -json > bin/smoke.json
+  -receivers idem,inline,idem-otel,idempgx-otel -json > bin/smoke.json
 grep -q '"ok": true' bin/smoke.json
 echo "bench-smoke: ok"

@@ -116,6 +116,20 @@ func BareHandler(db *sql.DB, ledger string) http.Handler {
 	})
 }
 
+// InlineDoSQL is the hand-written claim and completion on table: an INSERT
+// of the key that does nothing for a key already there, and the UPDATE
+// that stores the value as Do stores it: the transaction that
+// Middleware.Do and the consumers built on it are compared with.
+func InlineDoSQL(table string) (claim, complete string) {
+	q := `"` + table + `"`
+	claim = `INSERT INTO ` + q + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
+ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
+	complete = `UPDATE ` + q + `
+SET response_status = 200, response_headers = '{}', response_body = $3, completed_at = now()
+WHERE source = $1 AND event_id = $2`
+	return claim, complete
+}
+
 // InlineHandler is the seed's handler written by hand, the best a user
 // would write without a middleware: BEGIN; INSERT ... ON CONFLICT DO
 // NOTHING RETURNING; the ledger write; the UPDATE storing the answer;

@@ -6,7 +6,9 @@
 // SQL by hand), idem (the middleware), idem-nocache (the middleware with its
 // replay cache off, so that every duplicate asks PostgreSQL, as one of a key
 // this instance has never seen does), and, when Redis answers at -redis,
-// the peer (Fiber's idempotency middleware with Redis storage). All do the
+// the peer (Fiber's idempotency middleware with Redis storage); on request,
+// idem-otel and idempgx-otel (the middleware with idemotel, every span
+// sampled, to measure its cost). All do the
 // same handler work (append a ledger row, answer its id as JSON) on pools
 // of the same size under the same concurrency. Each mix (-mix) runs every
 // receiver in turns, -rounds times, rotating the order (A B C, B C A, ...),
@@ -83,7 +85,7 @@ func run() int {
 		dflt = defaultDatabaseURL
 	}
 	flag.StringVar(&cfg.DatabaseURL, "database-url", dflt, "PostgreSQL admin URL; the tool creates and drops its own database there (default $DATABASE_URL or the local server)")
-	flag.StringVar(&receivers, "receivers", "bare,inline,idem,idem-nocache,bare-pgx,idempgx,peer", "receivers to run, in order: bare, inline, idem, idem-nocache, bare-pgx, idempgx, peer, http-floor, fiber-floor")
+	flag.StringVar(&receivers, "receivers", "bare,inline,idem,idem-nocache,bare-pgx,idempgx,peer", "receivers to run, in order: bare, inline, idem, idem-nocache, bare-pgx, idempgx, peer, http-floor, fiber-floor, idem-otel, idempgx-otel")
 	flag.BoolVar(&floors, "floors", false, "add http-floor and fiber-floor: the HTTP stacks with no database, the ceiling of this machine")
 	flag.BoolVar(&noPeer, "no-peer", false, "leave the peer out even when Redis answers")
 	flag.StringVar(&mixes, "mix", "new,dup", "mixes, each run in turn: new (unique keys), dup (completed duplicates only) or a duplicate share in [0,1]")

@@ -34,6 +34,8 @@ const (
 	kindIdem       = "idem"         // idem's middleware around the same write
 	kindIdemCold   = "idem-nocache" // idem with its replay cache off: every duplicate asks PostgreSQL
 	kindIdemPgx    = "idempgx"      // idem's pgx adapter (idempgx) around the same write, on a pgxpool
+	kindIdemOtel   = "idem-otel"    // idem with idemotel (every span sampled, the metrics), to measure its cost
+	kindPgxOtel    = "idempgx-otel" // idempgx with idemotel, the same
 	kindBarePgx    = "bare-pgx"     // the ledger write in a plain pgx transaction (pool.Begin, INSERT, Commit)
 	kindPeer       = "peer"         // Fiber v3 middleware/idempotency with Redis storage
 	kindHTTPFloor  = "http-floor"   // net/http, no database: the HTTP stack's own ceiling
@@ -72,6 +74,7 @@ type receiver struct {
 	keys       string        // idempotency table (idem, inline)
 	client     *http.Client
 	stop       func()
+	otelStop   func() // idemotel's SDK, shut down with the receiver
 
 	bucket atomic.Pointer[bucket] // where statement counts go now; nil: nowhere
 	prefix string                 // of the event ids this receiver is sent
@@ -109,7 +112,7 @@ type env struct {
 func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*receiver, error) {
 	rc := &receiver{name: kind, prefix: e.run + kind + ":"}
 	switch kind {
-	case kindBare, kindInline, kindIdem, kindIdemCold, kindPeer, kindIdemPgx, kindBarePgx:
+	case kindBare, kindInline, kindIdem, kindIdemCold, kindPeer, kindIdemPgx, kindBarePgx, kindIdemOtel, kindPgxOtel:
 		rc.usesDB = true
 		rc.idempotent = kind != kindBare && kind != kindBarePgx
 	}
@@ -129,7 +132,7 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		}
 	}
 	var err error
-	if kind == kindIdemPgx || kind == kindBarePgx {
+	if kind == kindIdemPgx || kind == kindBarePgx || kind == kindPgxOtel {
 		rc.pgx, err = openPgx(ctx, e.dbURL, e.pool)
 		if err != nil {
 			rc.db.Close()
@@ -139,9 +142,15 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 	switch kind {
 	case kindBarePgx:
 		err = rc.serveHTTP(benchref.BarePgxHandler(rc.pgx, rc.ledger))
-	case kindIdemPgx:
+	case kindIdemPgx, kindPgxOtel:
+		opts := idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys}
+		if kind == kindPgxOtel {
+			err = rc.instrument(&opts)
+		}
 		var m *idem.Middleware
-		m, err = idempgx.New(rc.pgx, idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys})
+		if err == nil {
+			m, err = idempgx.New(rc.pgx, opts)
+		}
 		if err == nil {
 			err = rc.serveHTTP(m.Handler(benchref.IdemPgxHandler(rc.ledger)))
 		}
@@ -149,13 +158,18 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 		err = rc.serveHTTP(benchref.BareHandler(rc.db, rc.ledger))
 	case kindInline:
 		err = rc.serveHTTP(benchref.InlineHandler(rc.db, rc.keys, rc.ledger))
-	case kindIdem, kindIdemCold:
+	case kindIdem, kindIdemCold, kindIdemOtel:
 		opts := idem.Options{KeyFunc: idem.Header(source, eventHeader), Table: rc.keys}
 		if kind == kindIdemCold {
 			opts.ReplayCacheBytes = -1
 		}
+		if kind == kindIdemOtel {
+			err = rc.instrument(&opts)
+		}
 		var m *idem.Middleware
-		m, err = idem.New(rc.db, opts)
+		if err == nil {
+			m, err = idem.New(rc.db, opts)
+		}
 		if err == nil {
 			err = rc.serveHTTP(m.Handler(benchref.IdemHandler(rc.ledger)))
 		}
@@ -228,7 +242,11 @@ func (rc *receiver) createTables(ctx context.Context, kind string, citus bool) e
 
 // hasKeyTable: the receiver keeps its keys in an idem-schema table.
 func hasKeyTable(kind string) bool {
-	return kind == kindIdem || kind == kindIdemCold || kind == kindInline || kind == kindIdemPgx
+	switch kind {
+	case kindIdem, kindIdemCold, kindInline, kindIdemPgx, kindIdemOtel, kindPgxOtel:
+		return true
+	}
+	return false
 }
 
 // openPgx opens the pgx receivers' pool of size connections.
@@ -256,6 +274,9 @@ func (rc *receiver) close() {
 	}
 	rc.client.CloseIdleConnections()
 	rc.closePools()
+	if rc.otelStop != nil {
+		rc.otelStop()
+	}
 }
 
 // serveHTTP serves h with net/http on a loopback port, behind the wrapper

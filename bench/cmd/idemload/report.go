@@ -67,6 +67,14 @@ type check struct {
 	What     string `json:"what"`
 }
 
+// The throughput ratios reported: each of ratioNums over each of
+// ratioDens that ran (idemotel's receivers over the same middleware
+// without it: its cost).
+var (
+	ratioNums = []string{kindIdem, kindIdemCold, kindIdemPgx, kindIdemOtel, kindPgxOtel}
+	ratioDens = []string{kindInline, kindBare, kindBarePgx, kindIdem, kindIdemPgx, kindPeer, kindHTTPFloor, kindFiberFloor}
+)
+
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 func (r *report) addMix(m mix, rcs []*receiver) {
@@ -96,12 +104,12 @@ func (r *report) addMix(m mix, rcs []*receiver) {
 		mr.Receivers = append(mr.Receivers, rr)
 		rc.res = nil
 	}
-	for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
+	for _, num := range ratioNums {
 		idem, ok := tp[num]
 		if !ok {
 			continue
 		}
-		for _, other := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
+		for _, other := range ratioDens {
 			if v, ok := tp[other]; ok && v > 0 && other != num {
 				mr.Ratios[num+"/"+other] = idem / v
 			}
@@ -161,6 +169,11 @@ func (r *report) evaluate() {
 	ratio("idem-nocache dup / idem-nocache new", ">= 1.50", 1.5, coldDup, coldNew, okCD, okCN)
 	ratio("idem-nocache dup / inline dup", ">= 1.20", 1.2, coldDup, inlDup, okCD, okLD)
 	ratio("idem-nocache dup / peer dup", ">= 1.00", 1, coldDup, peerDup, okCD, okPD)
+	otelNew, okON := r.find("new", kindIdemOtel)
+	ratio("idem-otel new / idem new", ">= 0.95", 0.95, otelNew, idemNew, okON, okIN)
+	pgxNew, okXN := r.find("new", kindIdemPgx)
+	pgxOtelNew, okXON := r.find("new", kindPgxOtel)
+	ratio("idempgx-otel new / idempgx new", ">= 0.95", 0.95, pgxOtelNew, pgxNew, okXON, okXN)
 	if okIN {
 		v := idemNew.New.Added
 		r.Targets = append(r.Targets, target{What: "idem round trips added, new event", Value: v, Want: "<= 4", Met: v <= 4})
@@ -198,9 +211,9 @@ func (r *report) writeText(w io.Writer) {
 				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, stmtsCell(rr.New), stmtsCell(rr.Dup))
 		}
 		_ = tw.Flush()
-		for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
+		for _, num := range ratioNums {
 			var parts []string
-			for _, den := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			for _, den := range ratioDens {
 				if v, ok := m.Ratios[num+"/"+den]; ok {
 					parts = append(parts, fmt.Sprintf("/%s %.2f", den, v))
 				}
@@ -290,9 +303,9 @@ func (r *report) writeMarkdown(w io.Writer) {
 			fmt.Fprintf(w, "| %s | %.0f | %.2f | %.2f | %.2f | %s | %.0f |\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
 				strings.ReplaceAll(stmtsCell(st), "|", "/"), rr.AllocObjects)
 		}
-		for _, num := range []string{kindIdem, kindIdemCold, kindIdemPgx} {
+		for _, num := range ratioNums {
 			var parts []string
-			for _, den := range []string{kindInline, kindBare, kindBarePgx, kindIdem, kindPeer, kindHTTPFloor, kindFiberFloor} {
+			for _, den := range ratioDens {
 				if v, ok := m.Ratios[num+"/"+den]; ok {
 					parts = append(parts, fmt.Sprintf("%s/%s **%.2f**", num, den, v))
 				}
