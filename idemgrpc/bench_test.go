@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/idemgrpc/internal/testpb"
-	"github.com/pgidem/idem/internal/benchref"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -137,7 +136,7 @@ func (w *world) writeInline(ctx context.Context, r *testpb.PayRequest) (*testpb.
 		return nil, status.Error(codes.Internal, "marshal failed")
 	}
 	digest := sha256.Sum256(in)
-	claim, complete := benchref.InlineDoSQL(w.table)
+	claim, complete := inlineSQL(w.table)
 	lookup := `SELECT response_body FROM ` + w.table + ` WHERE source = $1 AND event_id = $2`
 	write := `INSERT INTO ` + w.ledger + ` (account, amount) VALUES ($1, $2) RETURNING id`
 	var (
@@ -221,3 +220,16 @@ func storedReply(stored []byte) (*testpb.PayReply, error) {
 }
 
 func atomicAdd(n *int64) int64 { return atomic.AddInt64(n, 1) }
+
+// inlineSQL is the claim and the completion written by hand on table (the
+// same statements as the root's benchmarks use; a module's tests import
+// only what its users can): an INSERT of the key that does nothing for a
+// key already there, and the UPDATE that stores the answer.
+func inlineSQL(table string) (claim, complete string) {
+	claim = `INSERT INTO ` + table + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
+ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
+	complete = `UPDATE ` + table + `
+SET response_status = 200, response_headers = '{}', response_body = $3, completed_at = now()
+WHERE source = $1 AND event_id = $2`
+	return claim, complete
+}

@@ -16,7 +16,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemnats"
-	"github.com/pgidem/idem/internal/benchref"
 	"github.com/stretchr/testify/require"
 )
 
@@ -179,7 +178,7 @@ func (w *world) byHand(b *testing.B) func(msg jetstream.Msg) {
 // row and the key's UPDATE storing the outcome; COMMIT; then the ack. A key
 // already there is acked without a write.
 func (w *world) byInline(b *testing.B) func(msg jetstream.Msg) {
-	claim, complete := benchref.InlineDoSQL(w.table)
+	claim, complete := inlineSQL(w.table)
 	write := `INSERT INTO ` + w.ledger + ` (event, body) VALUES ($1, $2)`
 	source := "nats:" + w.stream + "/bench"
 	return func(msg jetstream.Msg) {
@@ -229,4 +228,17 @@ func pgxOrSQL(adapter string) string {
 		return "pgx"
 	}
 	return "sql"
+}
+
+// inlineSQL is the claim and the completion written by hand on table (the
+// same statements as the root's benchmarks use; a module's tests import
+// only what its users can): an INSERT of the key that does nothing for a
+// key already there, and the UPDATE that stores the answer.
+func inlineSQL(table string) (claim, complete string) {
+	claim = `INSERT INTO ` + table + ` (source, event_id, payload_digest) VALUES ($1, $2, $3)
+ON CONFLICT (source, event_id) DO NOTHING RETURNING 1`
+	complete = `UPDATE ` + table + `
+SET response_status = 200, response_headers = '{}', response_body = $3, completed_at = now()
+WHERE source = $1 AND event_id = $2`
+	return claim, complete
 }
