@@ -354,8 +354,9 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 		}, http.StatusInternalServerError},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if strings.HasPrefix(tc.name, "the claim ") {
-				needsClaimInsert(t)
+			want := tc.want
+			if strings.HasPrefix(tc.name, "the claim ") && claimInsertsAtStore() {
+				want = http.StatusServiceUnavailable // the trigger fails the store, after the handler
 			}
 			var f *fixture
 			f = newFixture(t, claimFirst(idem.Options{}), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -370,7 +371,7 @@ func TestProblemAnswersNeverCarrySQLErrors(t *testing.T) {
 				require.NoError(t, err)
 			}
 			r := f.post("evt_1", "{}")
-			assert.Equal(t, tc.want, r.status, "%s", r.body)
+			assert.Equal(t, want, r.status, "%s", r.body)
 			assertNoInternals(t, r)
 			assert.Error(t, f.observations()[0].Err, "the cause is kept for logs and metrics")
 		})

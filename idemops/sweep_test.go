@@ -231,7 +231,19 @@ func TestRunSweeperStopsWhileWaitingForTheNextRun(t *testing.T) {
 	table := newPlainTable(t, db)
 	runs, stop := startSweeper(t, db, SweepOptions{Table: table}, time.Hour)
 	require.NoError(t, (<-runs).err)
-	require.NoError(t, stop(), "the hour's wait ends with the context")
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	select {
+	case err := <-stopped:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("RunSweeper did not return within 10 s of its context's end: the hour's wait must end with the context")
+	}
+	select {
+	case r := <-runs:
+		t.Fatalf("a run after the stop: %+v", r)
+	default:
+	}
 }
 
 func TestRunSweeperRefusesInvalidSettingsAtOnce(t *testing.T) {
