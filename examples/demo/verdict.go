@@ -118,7 +118,7 @@ func report(w io.Writer, cfg config, rc *receiver, res result, v verdict) {
 	row("deliveries sent", res.sent, fmt.Sprintf("%d events × %d, %d with a reused id, %d retries", cfg.events, cfg.deliveries, v.reusedSent, res.sent-planned))
 	row("distinct events", v.events, "")
 	row("ledger rows written", v.ledgerRows, "counted per event id in the database")
-	row("handler runs (201)", v.originals, "answers not marked Idempotent-Replayed")
+	row("handler runs (201)", v.originals, "answers not marked Idempotent-Replayed; the reused ids are the 422 row")
 	row("replays", v.replays, fmt.Sprintf("%d of them differ from their original; %d waited for it first", v.replaysDiffer, rc.waitedReplays.Load()))
 	row("409 in flight", res.conflicts, "each retried after Retry-After")
 	row("422 reused id", v.reused422, fmt.Sprintf("of %d deliveries reusing an id with another body", v.reusedSent))
