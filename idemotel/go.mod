@@ -3,6 +3,7 @@ module github.com/pgidem/idem/idemotel
 go 1.26.0
 
 require (
+	github.com/XSAM/otelsql v0.44.0
 	github.com/exaring/otelpgx v0.10.0
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/pgidem/idem v0.1.0

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/XSAM/otelsql"
 	"github.com/exaring/otelpgx"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
@@ -131,6 +132,7 @@ type world struct {
 	tel     *idemotel.Instrumentation
 	mw      *idem.Middleware
 	srv     *httptest.Server
+	db      *sql.DB // the database/sql middleware's pool
 	runs    atomic.Int64
 	// handle, when set, runs before the ledger write, in the handler.
 	handle func(r *http.Request)
@@ -146,6 +148,9 @@ type setup struct {
 	opts     idem.Options
 	tel      []idemotel.Option
 	noPhases bool
+	// otelsql: on database/sql, the middleware's pool is opened through
+	// otelsql, which traces its SQL as otelpgx does pgx's.
+	otelsql bool
 }
 
 func newWorld(t testing.TB, adapter string, s setup) *world {
@@ -176,6 +181,12 @@ func newWorld(t testing.TB, adapter string, s setup) *world {
 	if !s.noPhases {
 		opts.OnPhase = w.tel.OnPhase
 	}
+	w.db = db
+	if s.otelsql {
+		w.db, err = otelsql.Open("pgx", dbURL, otelsql.WithTracerProvider(w.tp))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = w.db.Close() })
+	}
 	w.mw, w.srv = w.instance(opts, mp)
 	reg, err := w.tel.Watch(w.mw)
 	require.NoError(t, err)
@@ -200,7 +211,7 @@ func (w *world) instance(opts idem.Options, mp *sdkmetric.MeterProvider) (*idem.
 		mw, err = idempgx.New(pool, opts)
 		require.NoError(t, err)
 	} else {
-		mw, err = idem.New(db, opts)
+		mw, err = idem.New(w.db, opts)
 		require.NoError(t, err)
 	}
 	handler := mw.Handler(http.HandlerFunc(w.ledgerHandler))
