@@ -110,12 +110,19 @@ func TestSummariesPastRowsWithoutAnAnswerAreLookedUpUnderTheLock(t *testing.T) {
 	r := f.post("evt_crashed", "{}")
 	require.Equal(t, http.StatusCreated, r.status, "%s", r.body)
 	assert.Equal(t, int64(1), f.runs.Load())
+	// Both claimed after looking in the past partition, never on the
+	// current one alone. At least two: a claim made again after a
+	// serialization failure or a deadlock asks the summaries again (seen
+	// once in CI, with the whole suite running on both adapters at once).
+	narrow := s.NarrowClaims()
+	assert.GreaterOrEqual(t, narrow, int64(2))
+	assert.Zero(t, s.FastClaims())
 	require.Equal(t, http.StatusCreated, f.post("evt_new", "{}").status)
+	assert.Equal(t, narrow, s.NarrowClaims(), "a new key does not look in the past partition")
 	assert.Equal(t, f.partitionOf("evt_new"), f.partitionOf("evt_crashed"), "taken over: dated by the takeover")
 	var done bool
 	require.NoError(t, f.db.QueryRow(`SELECT completed_at IS NOT NULL FROM "`+f.table+`" WHERE event_id = 'evt_crashed'`).Scan(&done))
 	assert.True(t, done)
-	assert.Equal(t, int64(2), s.NarrowClaims())
 	assert.Equal(t, 3, f.keys())
 }
 
