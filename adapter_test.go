@@ -164,6 +164,9 @@ func claimFirst(opts idem.Options) idem.Options {
 
 // claimInsertsAtStore: the claim inserts nothing, and the key's row is
 // inserted with its answer when it is stored, after the handler: idempgx on
-// a partitioned table, which claims lock-first at READ COMMITTED. A trigger
-// that fails the table's INSERT fails the store there, not the claim.
+// a partitioned table, which claims lock-first at READ COMMITTED (as a
+// first claim on a new table does, before any summary of past partitions:
+// a claim that looks in some past partitions first inserts as it claims).
+// A trigger that fails the table's INSERT fails the store there, not the
+// claim.
 func claimInsertsAtStore() bool { return onPgx && idem.PartitionedLayout }

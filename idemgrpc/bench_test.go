@@ -1,6 +1,7 @@
 package idemgrpc_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"database/sql"
@@ -123,26 +124,28 @@ func (w *world) writeByHand(ctx context.Context, r *testpb.PayRequest) (*testpb.
 // as a service without idem would write it: the key from the metadata, the
 // caller's scope, the request's deterministic digest; BEGIN; INSERT the key
 // ... ON CONFLICT DO NOTHING; the row; UPDATE the key with the marshalled
-// reply; COMMIT. A key already there answers its stored reply (or Aborted
-// while it has none).
+// reply; COMMIT. A key already there answers its stored reply
+// (FailedPrecondition for another request's digest, Aborted while it has
+// no reply).
 func (w *world) writeInline(ctx context.Context, r *testpb.PayRequest) (*testpb.PayReply, error) {
 	keys, callers := metadata.ValueFromIncomingContext(ctx, idemgrpc.MetadataKey), metadata.ValueFromIncomingContext(ctx, "tenant")
 	if len(keys) != 1 || len(callers) != 1 {
 		return nil, status.Error(codes.InvalidArgument, "no key")
 	}
-	source := "/idem.test.Ledger/Pay " + callers[0]
+	source := testpb.Ledger_Pay_FullMethodName + " " + callers[0]
 	in, err := proto.MarshalOptions{Deterministic: true}.Marshal(r)
 	if err != nil {
 		return nil, status.Error(codes.Internal, "marshal failed")
 	}
 	digest := sha256.Sum256(in)
 	claim, complete := inlineSQL(w.table)
-	lookup := `SELECT response_body FROM ` + w.table + ` WHERE source = $1 AND event_id = $2`
+	lookup := `SELECT payload_digest, response_body FROM ` + w.table + ` WHERE source = $1 AND event_id = $2`
 	write := `INSERT INTO ` + w.ledger + ` (account, amount) VALUES ($1, $2) RETURNING id`
 	var (
 		one    int
 		id     int64
 		stored []byte
+		sum    []byte
 		out    []byte
 	)
 	reply := func() *testpb.PayReply {
@@ -156,10 +159,10 @@ func (w *world) writeInline(ctx context.Context, r *testpb.PayRequest) (*testpb.
 		defer func() { _ = tx.Rollback(ctx) }()
 		switch err := tx.QueryRow(ctx, claim, source, keys[0], digest[:]).Scan(&one); {
 		case errors.Is(err, pgx.ErrNoRows):
-			if err := tx.QueryRow(ctx, lookup, source, keys[0]).Scan(&stored); err != nil {
+			if err := tx.QueryRow(ctx, lookup, source, keys[0]).Scan(&sum, &stored); err != nil {
 				return nil, status.Error(codes.Unavailable, "lookup failed")
 			}
-			return storedReply(stored)
+			return storedReply(sum, digest[:], stored)
 		case err != nil:
 			return nil, status.Error(codes.Unavailable, "claim failed")
 		}
@@ -184,10 +187,10 @@ func (w *world) writeInline(ctx context.Context, r *testpb.PayRequest) (*testpb.
 	defer func() { _ = tx.Rollback() }()
 	switch err := tx.QueryRowContext(ctx, claim, source, keys[0], digest[:]).Scan(&one); {
 	case errors.Is(err, sql.ErrNoRows):
-		if err := tx.QueryRowContext(ctx, lookup, source, keys[0]).Scan(&stored); err != nil {
+		if err := tx.QueryRowContext(ctx, lookup, source, keys[0]).Scan(&sum, &stored); err != nil {
 			return nil, status.Error(codes.Unavailable, "lookup failed")
 		}
-		return storedReply(stored)
+		return storedReply(sum, digest[:], stored)
 	case err != nil:
 		return nil, status.Error(codes.Unavailable, "claim failed")
 	}
@@ -206,14 +209,18 @@ func (w *world) writeInline(ctx context.Context, r *testpb.PayRequest) (*testpb.
 	return reply(), nil
 }
 
-// storedReply is the reply a completed key stored, or Aborted for a key
-// still in flight.
-func storedReply(stored []byte) (*testpb.PayReply, error) {
-	if stored == nil {
+// storedReply is the reply a completed key stored, FailedPrecondition for
+// a key stored with another request's digest, or Aborted for a key still
+// in flight.
+func storedReply(stored, digest, reply []byte) (*testpb.PayReply, error) {
+	if !bytes.Equal(stored, digest) {
+		return nil, status.Error(codes.FailedPrecondition, "another request under this key")
+	}
+	if reply == nil {
 		return nil, status.Error(codes.Aborted, "in flight")
 	}
 	var rep testpb.PayReply
-	if err := proto.Unmarshal(stored, &rep); err != nil {
+	if err := proto.Unmarshal(reply, &rep); err != nil {
 		return nil, status.Error(codes.Internal, "stored reply unreadable")
 	}
 	return &rep, nil

@@ -2,8 +2,9 @@
 // the PostgreSQL primary fails: a primary with a streaming standby (two
 // clusters of this machine's PostgreSQL 15, started by the tests), failed
 // over in the middle of a retry storm, and a primary whose synchronous
-// standby is away while a COMMIT waits for it. They skip, with a message,
-// only where the PostgreSQL server binaries are not installed.
+// standby is away while a COMMIT waits for it. Where the PostgreSQL server
+// binaries are not installed they fail, as every test that needs
+// PostgreSQL does.
 package failover
 
 import (

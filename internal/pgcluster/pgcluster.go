@@ -33,8 +33,8 @@ import (
 // binaries; IDEM_PG_BINDIR overrides it.
 const DefaultBinDir = "/usr/lib/postgresql/15/bin"
 
-// ErrNotInstalled is BinDir's error when the server binaries are missing:
-// the only reason for a test that needs them to skip.
+// ErrNotInstalled is BinDir's error when the server binaries are missing;
+// a test that needs them fails with it.
 var ErrNotInstalled = errors.New("pgcluster: the PostgreSQL server binaries are not installed")
 
 // BinDir returns the directory of initdb, pg_ctl, pg_basebackup and
