@@ -95,6 +95,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
@@ -202,14 +203,24 @@ type Instrumentation struct {
 	waitMem   metric.Int64ObservableUpDownCounter
 	meter     metric.Meter
 
-	mu   sync.RWMutex
-	sets map[setKey]metric.MeasurementOption // attribute sets of the metrics, made once
+	sources  sync.Map     // a key's source → *source, made once for each
+	nsources atomic.Int32 // how many sources holds
 }
 
-// setKey names an attribute set of the metrics: a source label, and an
-// outcome for idem.requests (empty for the others).
-type setKey struct {
-	source, outcome string
+// maxSources bounds what Instrumentation keeps for sources: past it (a
+// source built from the request, a tenant's id), each delivery of a new
+// source makes its own.
+const maxSources = 1000
+
+// source is what idemotel records for every delivery of one source, made
+// at its first delivery so that later ones allocate none of it: the
+// span's name and start attributes, and the metrics' attribute sets.
+type source struct {
+	spanName  string
+	spanStart trace.SpanStartOption // idem.source on the delivery's span
+	label     string                // the metric attribute (WithSourceAttribute)
+	plain     metric.MeasurementOption
+	outcomes  [idem.OutcomeFenced + 1]metric.MeasurementOption // idem.requests' sets, by outcome
 }
 
 // New makes the tracer and the instruments. It fails only if the
@@ -224,7 +235,6 @@ func New(opts ...Option) (*Instrumentation, error) {
 		meter:       c.mp.Meter(ScopeName, metric.WithInstrumentationVersion(Version)),
 		sourceLabel: c.sourceLabel,
 		eventID:     c.eventID,
-		sets:        map[setKey]metric.MeasurementOption{},
 	}
 	var err, e error
 	i.requests, err = i.meter.Int64Counter("idem.requests", metric.WithUnit("{request}"),
@@ -288,8 +298,8 @@ type deliveryKey struct{}
 // delivery is one delivery's span, found through the context OnPhase
 // returned for PhaseDelivery.
 type delivery struct {
-	span   trace.Span
-	source string // the metric attribute
+	span trace.Span
+	src  *source
 }
 
 // OnPhase starts the span of a delivery ("idem <source>") or of one of its
@@ -297,36 +307,36 @@ type delivery struct {
 // ends it. Pass it as idem.Options.OnPhase.
 func (i *Instrumentation) OnPhase(ctx context.Context, p idem.Phase, key idem.Key) (context.Context, func(error)) {
 	if p == idem.PhaseDelivery {
-		d := &delivery{source: i.label(key.Source)}
-		attrs := []attribute.KeyValue{AttrSource.String(key.Source)}
+		d := &delivery{src: i.source(key.Source)}
 		if i.eventID {
-			attrs = append(attrs, AttrEventID.String(key.EventID))
+			ctx, d.span = i.tracer.Start(ctx, d.src.spanName, d.src.spanStart, trace.WithAttributes(AttrEventID.String(key.EventID)))
+		} else {
+			ctx, d.span = i.tracer.Start(ctx, d.src.spanName, d.src.spanStart)
 		}
-		ctx, d.span = i.tracer.Start(ctx, "idem "+key.Source, trace.WithAttributes(attrs...))
 		return context.WithValue(ctx, deliveryKey{}, d), d.end
 	}
 	if int(p) >= len(phaseSpanNames) || phaseSpanNames[p] == "" {
 		return ctx, nil // a phase this version does not know
 	}
-	source := ""
+	var src *source
 	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
-		source = d.source
+		src = d.src
 	} else {
-		source = i.label(key.Source)
+		src = i.source(key.Source)
 	}
 	start := time.Now()
 	ctx, span := i.tracer.Start(ctx, phaseSpanNames[p])
-	return ctx, func(err error) { i.endPhase(ctx, p, span, start, source, err) }
+	return ctx, func(err error) { i.endPhase(ctx, p, span, start, src, err) }
 }
 
 // endPhase ends a phase's span and records its duration.
-func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace.Span, start time.Time, source string, err error) {
-	opt := i.set(source, "")
+func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace.Span, start time.Time, src *source, err error) {
+	opt := src.plain
 	if typ, failed := errorType(err); failed {
 		span.SetStatus(codes.Error, typ)
 		span.SetAttributes(attrErrorType.String(typ))
-		opt = metric.WithAttributes(AttrSource.String(source), attrErrorType.String(typ))
-		if source == "" {
+		opt = metric.WithAttributes(AttrSource.String(src.label), attrErrorType.String(typ))
+		if src.label == "" {
 			opt = metric.WithAttributes(attrErrorType.String(typ))
 		}
 	}
@@ -351,13 +361,8 @@ func (i *Instrumentation) Observe(o idem.Observation) {
 	d, traced := ctx.Value(deliveryKey{}).(*delivery)
 	if !traced {
 		// No OnPhase, or a request rejected before its key was known.
-		d = &delivery{source: i.label(o.Key.Source)}
-		name := "idem"
-		if o.Key.Source != "" {
-			name += " " + o.Key.Source
-		}
-		_, d.span = i.tracer.Start(ctx, name, trace.WithTimestamp(time.Now().Add(-o.Duration)),
-			trace.WithAttributes(AttrSource.String(o.Key.Source)))
+		d = &delivery{src: i.source(o.Key.Source)}
+		_, d.span = i.tracer.Start(ctx, d.src.spanName, trace.WithTimestamp(time.Now().Add(-o.Duration)), d.src.spanStart)
 		if i.eventID && o.Key.EventID != "" {
 			d.span.SetAttributes(AttrEventID.String(o.Key.EventID))
 		}
@@ -377,9 +382,9 @@ func (i *Instrumentation) Observe(o idem.Observation) {
 	if !traced {
 		d.span.End()
 	}
-	i.requests.Add(ctx, 1, i.set(d.source, outcome))
+	i.requests.Add(ctx, 1, d.src.requests(o.Outcome))
 	if o.Cached && o.Outcome == idem.OutcomeReplayed {
-		i.cacheHits.Add(ctx, 1, i.set(d.source, ""))
+		i.cacheHits.Add(ctx, 1, d.src.plain)
 	}
 	if l, ok := otelhttp.LabelerFromContext(ctx); ok {
 		l.Add(AttrOutcome.String(outcome))
@@ -421,34 +426,52 @@ func errorType(err error) (string, bool) {
 	return "_OTHER", true
 }
 
-// label is a source's metric attribute value.
-func (i *Instrumentation) label(source string) string {
-	if i.sourceLabel != nil && source != "" {
-		return i.sourceLabel(source)
+// source returns what idemotel records for every delivery of a key's
+// source, made at its first delivery.
+func (i *Instrumentation) source(name string) *source {
+	if src, ok := i.sources.Load(name); ok {
+		return src.(*source)
 	}
-	return source
+	src := &source{spanName: "idem", spanStart: trace.WithAttributes(AttrSource.String(name)), label: name}
+	if name != "" {
+		src.spanName += " " + name
+	}
+	if i.sourceLabel != nil && name != "" {
+		src.label = i.sourceLabel(name)
+	}
+	src.plain = metricSet(src.label, "")
+	for o := range src.outcomes {
+		if o > 0 {
+			src.outcomes[o] = metricSet(src.label, idem.Outcome(o).String())
+		}
+	}
+	if i.nsources.Load() >= maxSources {
+		return src
+	}
+	got, loaded := i.sources.LoadOrStore(name, src)
+	if !loaded {
+		i.nsources.Add(1)
+	}
+	return got.(*source)
 }
 
-// set returns the attribute set of source and outcome (either may be
-// empty, and is then left out), made once.
-func (i *Instrumentation) set(source, outcome string) metric.MeasurementOption {
-	k := setKey{source, outcome}
-	i.mu.RLock()
-	opt, ok := i.sets[k]
-	i.mu.RUnlock()
-	if ok {
-		return opt
+// requests is idem.requests' attribute set for a delivery of outcome o.
+func (src *source) requests(o idem.Outcome) metric.MeasurementOption {
+	if o > 0 && int(o) < len(src.outcomes) {
+		return src.outcomes[o]
 	}
+	return metricSet(src.label, o.String()) // an outcome this version does not know
+}
+
+// metricSet is the attribute set of a source label and an outcome (either
+// may be empty, and is then left out).
+func metricSet(label, outcome string) metric.MeasurementOption {
 	var attrs []attribute.KeyValue
-	if source != "" {
-		attrs = append(attrs, AttrSource.String(source))
+	if label != "" {
+		attrs = append(attrs, AttrSource.String(label))
 	}
 	if outcome != "" {
 		attrs = append(attrs, AttrOutcome.String(outcome))
 	}
-	opt = metric.WithAttributeSet(attribute.NewSet(attrs...))
-	i.mu.Lock()
-	i.sets[k] = opt
-	i.mu.Unlock()
-	return opt
+	return metric.WithAttributeSet(attribute.NewSet(attrs...))
 }

@@ -12,10 +12,11 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// Statement accounting. Every receiver that talks to PostgreSQL does so
-// through database/sql on a pool made by openCounted, whose driver wraps
-// pgx's and counts BEGIN, Query, Exec, COMMIT and ROLLBACK: each is one
-// round trip to the server (pgx's statement cache prepares a statement once
+// Statement accounting. Every receiver that talks to PostgreSQL through
+// database/sql does so on a pool made by openCounted, whose driver wraps
+// pgx's and counts BEGIN, Query, Exec, COMMIT and ROLLBACK (the pgx
+// receivers' pools count with countingTracer): each is one round trip to
+// the server (pgx's statement cache prepares a statement once
 // per connection; the seeding and warm-up requests absorb that). The counts
 // go to the reqCount found in the statement's context, which the receivers'
 // outer wrapper puts there for each request; a transaction remembers the
@@ -191,4 +192,63 @@ func pathOf(v string) int {
 		return pathDup
 	}
 	return pathNew
+}
+
+// countingTracer counts the pgx receivers' round trips, as countingConn
+// counts database/sql's: set as the pool's tracer by openPgx. A query is
+// one round trip; a batch, which pgx sends in one, is one too, counted as
+// BEGIN when it begins a transaction, as COMMIT or ROLLBACK when it ends
+// one, and as a query otherwise.
+type countingTracer struct{}
+
+func (countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	n := countFrom(ctx)
+	switch word := firstWord(d.SQL); word {
+	case "begin":
+		n.begin.Add(1)
+	case "commit":
+		n.commit.Add(1)
+	case "rollback":
+		n.rollback.Add(1)
+	default:
+		n.query.Add(1)
+	}
+	if strings.HasPrefix(d.SQL, businessPrefix) {
+		n.business.Add(1)
+	}
+	return ctx
+}
+
+func (countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (countingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	n, qs := countFrom(ctx), d.Batch.QueuedQueries
+	switch {
+	case len(qs) > 0 && firstWord(qs[0].SQL) == "begin":
+		n.begin.Add(1)
+	case len(qs) > 0 && firstWord(qs[len(qs)-1].SQL) == "commit":
+		n.commit.Add(1)
+	case len(qs) > 0 && firstWord(qs[len(qs)-1].SQL) == "rollback":
+		n.rollback.Add(1)
+	default:
+		n.query.Add(1)
+	}
+	for _, q := range qs {
+		if strings.HasPrefix(q.SQL, businessPrefix) {
+			n.business.Add(1)
+		}
+	}
+	return ctx
+}
+
+func (countingTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (countingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// firstWord is a statement's first word, in lower case.
+func firstWord(sql string) string {
+	sql = strings.TrimSpace(sql)
+	if i := strings.IndexAny(sql, " \t\n;"); i >= 0 {
+		sql = sql[:i]
+	}
+	return strings.ToLower(sql)
 }

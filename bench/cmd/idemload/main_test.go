@@ -2,9 +2,12 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 func TestParseMixesAcceptsNamesAndShares(t *testing.T) {
@@ -70,5 +73,36 @@ func TestStatementsAreAveragedPerRequest(t *testing.T) {
 	}
 	if got := stmtsCell(s); got != "5=1+4 [B1 Q2 E1 C1]" {
 		t.Errorf("cell %q", got)
+	}
+}
+
+// The pgx receivers' round trips: a batch is one, named by how it begins
+// or ends a transaction, as idempgx sends a new event ([BEGIN, claim],
+// the ledger INSERT, [the answer, COMMIT]) and a bare pgx transaction.
+func TestCountingTracerCountsPgxRoundTrips(t *testing.T) {
+	var tr countingTracer
+	c := &reqCount{}
+	ctx := withCount(context.Background(), c)
+	batch := func(sqls ...string) {
+		var b pgx.Batch
+		for _, s := range sqls {
+			b.Queue(s)
+		}
+		tr.TraceBatchStart(ctx, nil, pgx.TraceBatchStartData{Batch: &b})
+	}
+	query := func(sql string) { tr.TraceQueryStart(ctx, nil, pgx.TraceQueryStartData{SQL: sql}) }
+
+	batch("begin isolation level read committed", "SELECT pg_try_advisory_xact_lock($3)")
+	query(businessPrefix + "idempgx (event_id, body) VALUES ($1, $2)")
+	batch("INSERT INTO keys_idempgx VALUES ($1)", "COMMIT")
+	batch("SELECT 1", "SELECT 2")
+	batch("UPDATE keys SET x = 1", "ROLLBACK")
+	query("begin")
+	query(" commit;")
+	query("Rollback")
+
+	got := [6]int32{c.begin.Load(), c.query.Load(), c.exec.Load(), c.commit.Load(), c.rollback.Load(), c.business.Load()}
+	if want := [6]int32{2, 2, 0, 2, 2, 1}; got != want {
+		t.Fatalf("begin, query, exec, commit, rollback, business = %v, want %v", got, want)
 	}
 }

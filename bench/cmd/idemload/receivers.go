@@ -256,6 +256,7 @@ func openPgx(ctx context.Context, url string, size int) (*pgxpool.Pool, error) {
 		return nil, err
 	}
 	cfg.MaxConns = int32(size)
+	cfg.ConnConfig.Tracer = countingTracer{} // the round trips in the report
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
