@@ -25,7 +25,9 @@
 // "idem.wait" (a duplicate waiting for an original of its key, in memory
 // or in PostgreSQL inside the claim), "idem.handler" (the wrapped handler,
 // or Do's fn) and "idem.commit" (storing the answer and COMMIT), each with
-// its real start and end. The handler's context, and the context of the
+// its real start and end (a phase's span reaches the span processors when
+// its delivery's does, with its own end time: a batch span processor's
+// goroutine then wakes once for each delivery). The handler's context, and the context of the
 // claim's and the COMMIT's statements, carry these spans: a traced driver
 // (otelpgx in pgx's tracer slot, otelsql for database/sql) records its SQL
 // spans under them.
@@ -300,6 +302,21 @@ type deliveryKey struct{}
 type delivery struct {
 	span trace.Span
 	src  *source
+
+	// The spans of the phases that ended, ended with the delivery's span
+	// at their own end times: a batch span processor's goroutine then
+	// wakes once for all of them, not once for each (a few microseconds
+	// each, under load).
+	mu     sync.Mutex
+	done   bool // the delivery's span ended: a phase ends its span at once
+	n      int
+	phases [4]endedPhase
+}
+
+// endedPhase is a phase's span to end at.
+type endedPhase struct {
+	span trace.Span
+	at   time.Time
 }
 
 // OnPhase starts the span of a delivery ("idem <source>") or of one of its
@@ -318,19 +335,22 @@ func (i *Instrumentation) OnPhase(ctx context.Context, p idem.Phase, key idem.Ke
 	if int(p) >= len(phaseSpanNames) || phaseSpanNames[p] == "" {
 		return ctx, nil // a phase this version does not know
 	}
+	d, _ := ctx.Value(deliveryKey{}).(*delivery)
 	var src *source
-	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+	if d != nil {
 		src = d.src
 	} else {
 		src = i.source(key.Source)
 	}
 	start := time.Now()
 	ctx, span := i.tracer.Start(ctx, phaseSpanNames[p])
-	return ctx, func(err error) { i.endPhase(ctx, p, span, start, src, err) }
+	return ctx, func(err error) { i.endPhase(ctx, p, span, start, d, src, err) }
 }
 
-// endPhase ends a phase's span and records its duration.
-func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace.Span, start time.Time, src *source, err error) {
+// endPhase ends a phase: its span (with its delivery's, if it has one)
+// and its duration.
+func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace.Span, start time.Time, d *delivery, src *source, err error) {
+	now := time.Now()
 	opt := src.plain
 	if typ, failed := errorType(err); failed {
 		span.SetStatus(codes.Error, typ)
@@ -340,13 +360,37 @@ func (i *Instrumentation) endPhase(ctx context.Context, p idem.Phase, span trace
 			opt = metric.WithAttributes(attrErrorType.String(typ))
 		}
 	}
-	span.End()
-	i.durations[p].Record(ctx, time.Since(start).Seconds(), opt)
+	if d == nil || !d.endLater(span, now) {
+		span.End(trace.WithTimestamp(now))
+	}
+	i.durations[p].Record(ctx, now.Sub(start).Seconds(), opt)
 }
 
-// end ends a delivery's span; Observe, called just before, has set its
-// outcome.
-func (d *delivery) end(error) { d.span.End() }
+// endLater keeps a phase's span to end with the delivery's, and reports
+// whether it did: not once the delivery's has ended, nor past a few.
+func (d *delivery) endLater(span trace.Span, at time.Time) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.done || d.n == len(d.phases) {
+		return false
+	}
+	d.phases[d.n] = endedPhase{span, at}
+	d.n++
+	return true
+}
+
+// end ends the spans of the delivery's phases, at their end times, then
+// the delivery's; Observe, called just before, has set its outcome.
+func (d *delivery) end(error) {
+	d.mu.Lock()
+	d.done = true
+	phases := d.phases[:d.n]
+	d.mu.Unlock()
+	for _, e := range phases {
+		e.span.End(trace.WithTimestamp(e.at))
+	}
+	d.span.End()
+}
 
 // Observe records one delivery: its outcome on its span (the one OnPhase
 // started, or, without OnPhase, one made now with the delivery's start

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/idem"
@@ -495,4 +496,41 @@ func histCount(t testing.TB, rm metricdata.ResourceMetrics, name string) int64 {
 		n += int64(dp.Count)
 	}
 	return n
+}
+
+// A phase's span reaches the span processor with its delivery's, at its
+// own end time (so that a batch processor wakes once per delivery); past
+// four phases (a duplicate that waits again and again), at once.
+func TestPhaseSpansEndWithTheirDelivery(t *testing.T) {
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	tel, err := idemotel.New(idemotel.WithTracerProvider(tp))
+	require.NoError(t, err)
+	key := idem.Key{Source: "test", EventID: "e1"}
+
+	ctx, endDelivery := tel.OnPhase(context.Background(), idem.PhaseDelivery, key)
+	var ends []time.Time
+	for range 6 {
+		_, end := tel.OnPhase(ctx, idem.PhaseWait, key)
+		end(nil)
+		ends = append(ends, time.Now())
+	}
+	require.Len(t, spans.Ended(), 2, "the fifth and sixth phases end at once")
+	time.Sleep(5 * time.Millisecond) // not a wait: a gap that a wrong end time would show
+	endDelivery(nil)
+
+	got := spans.Ended()
+	require.Len(t, got, 7)
+	for i, s := range got[2:6] {
+		assert.Equal(t, "idem.wait", s.Name())
+		assert.False(t, s.EndTime().After(ends[i]), "phase %d ends when it ended, not with its delivery", i)
+	}
+	assert.Equal(t, "idem test", got[6].Name(), "the delivery's span ends last")
+	assert.True(t, got[6].EndTime().After(ends[5].Add(5*time.Millisecond)))
+
+	// A phase outside any delivery ends at once.
+	_, end := tel.OnPhase(context.Background(), idem.PhaseClaim, key)
+	end(nil)
+	assert.Len(t, spans.Ended(), 8)
 }

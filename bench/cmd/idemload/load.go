@@ -57,6 +57,7 @@ type mixResult struct {
 	lat        []time.Duration
 	allocBytes uint64
 	allocObjs  uint64
+	cpu        cpuSample // the slots' CPU time: the tool's process, the machine
 	firstErr   string
 	bucket     bucket
 }
@@ -127,6 +128,7 @@ func slot(ctx context.Context, rc *receiver, m mix, conc, bodySize int, d time.D
 	var firstErr string
 	runtime.GC() // the previous receiver's garbage is not this one's to collect
 	before := readAllocs()
+	cpu0 := readCPU()
 	start := time.Now()
 	deadline := start.Add(d)
 	for w := 0; w < conc; w++ {
@@ -175,6 +177,7 @@ func slot(ctx context.Context, rc *receiver, m mix, conc, bodySize int, d time.D
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
+	cpu1 := readCPU()
 	after := readAllocs()
 	if res == nil {
 		return
@@ -184,6 +187,8 @@ func slot(ctx context.Context, rc *receiver, m mix, conc, bodySize int, d time.D
 	res.elapsed += elapsed
 	res.allocBytes += after[0] - before[0]
 	res.allocObjs += after[1] - before[1]
+	res.cpu.self += cpu1.self - cpu0.self
+	res.cpu.machine += cpu1.machine - cpu0.machine
 	if res.firstErr == "" {
 		res.firstErr = firstErr
 	}

@@ -50,8 +50,13 @@ type receiverReport struct {
 	P999Ms       float64 `json:"p999_ms"`
 	AllocBytes   float64 `json:"process_alloc_bytes_per_request"`
 	AllocObjects float64 `json:"process_allocs_per_request"`
-	New          Stmts   `json:"new"`
-	Dup          Stmts   `json:"dup"`
+	// CPU time per request, in microseconds: the tool's process (senders
+	// and receiver), and the rest of the machine (PostgreSQL, Redis, the
+	// kernel); 0 where /proc/stat is missing.
+	ToolCPUus float64 `json:"tool_cpu_us_per_request"`
+	RestCPUus float64 `json:"rest_cpu_us_per_request"`
+	New       Stmts   `json:"new"`
+	Dup       Stmts   `json:"dup"`
 }
 
 type target struct {
@@ -99,6 +104,10 @@ func (r *report) addMix(m mix, rcs []*receiver) {
 		if res.requests > 0 {
 			rr.AllocBytes = float64(res.allocBytes) / float64(res.requests)
 			rr.AllocObjects = float64(res.allocObjs) / float64(res.requests)
+			rr.ToolCPUus = float64(res.cpu.self) / float64(time.Microsecond) / float64(res.requests)
+			if res.cpu.machine > 0 {
+				rr.RestCPUus = float64(max(res.cpu.machine-res.cpu.self, 0)) / float64(time.Microsecond) / float64(res.requests)
+			}
 		}
 		tp[rc.name] = rr.Throughput
 		mr.Receivers = append(mr.Receivers, rr)
@@ -205,10 +214,10 @@ func (r *report) writeText(w io.Writer) {
 	for _, m := range r.Mixes {
 		fmt.Fprintf(w, "\nmix %s (duplicates of completed keys: %g%%)\n", m.Name, m.DupShare*100)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "receiver\treq/s\tp50 ms\tp99 ms\tp99.9 ms\trequests\terrors\tallocs/req\tKB/req\tstmts new\tstmts dup\t")
+		fmt.Fprintln(tw, "receiver\treq/s\tp50 ms\tp99 ms\tp99.9 ms\trequests\terrors\tallocs/req\tKB/req\tcpu µs/req\tstmts new\tstmts dup\t")
 		for _, rr := range m.Receivers {
-			fmt.Fprintf(tw, "%s\t%.0f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%.0f\t%.1f\t%s\t%s\t\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
-				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, stmtsCell(rr.New), stmtsCell(rr.Dup))
+			fmt.Fprintf(tw, "%s\t%.0f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%.0f\t%.1f\t%s\t%s\t%s\t\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
+				rr.Requests, rr.Errors, rr.AllocObjects, rr.AllocBytes/1024, cpuCell(rr), stmtsCell(rr.New), stmtsCell(rr.Dup))
 		}
 		_ = tw.Flush()
 		for _, num := range ratioNums {
@@ -230,7 +239,8 @@ func (r *report) writeText(w io.Writer) {
 	}
 	fmt.Fprintln(w, "\nstmts: round trips to PostgreSQL per request, total = business (the ledger INSERT) + added")
 	fmt.Fprintln(w, "  [B begin, Q query, E exec, C commit, R rollback; +r Redis commands]; allocs and KB are the")
-	fmt.Fprintln(w, "  whole process's (sender + receiver) per request.")
+	fmt.Fprintln(w, "  whole process's (sender + receiver) per request; cpu is tool+rest: CPU time per request of this")
+	fmt.Fprintln(w, "  process (senders and receiver) and of the rest of the machine (PostgreSQL, Redis, the kernel).")
 	if len(r.Targets) > 0 {
 		fmt.Fprintln(w, "\ntargets (issue 5), from this run:")
 		for _, t := range r.Targets {
@@ -255,6 +265,16 @@ func (r *report) writeText(w io.Writer) {
 	if !r.OK {
 		fmt.Fprintln(w, "\nFAILED: some answers were wrong or a check failed (see above)")
 	}
+}
+
+// cpuCell renders a receiver's CPU time per request: "180+310" (this
+// process + the rest of the machine), or the first alone without
+// /proc/stat.
+func cpuCell(rr receiverReport) string {
+	if rr.RestCPUus == 0 {
+		return fmt.Sprintf("%.0f", rr.ToolCPUus)
+	}
+	return fmt.Sprintf("%.0f+%.0f", rr.ToolCPUus, rr.RestCPUus)
 }
 
 // stmtsCell renders one path's statements: "5=1+4 [B1 Q2 E1 C1]".
@@ -293,15 +313,15 @@ func (r *report) writeMarkdown(w io.Writer) {
 		r.Machine.CPU, r.Machine.CPUs, r.Machine.Go, r.Machine.PostgreSQL, c.Concurrency, c.Pool, c.BodySize, c.Keys, c.Duration, c.Rounds)
 	for _, m := range r.Mixes {
 		fmt.Fprintf(w, "\n**%s** (duplicates of completed keys: %g%%)\n\n", m.Name, m.DupShare*100)
-		fmt.Fprintln(w, "| receiver | req/s | p50 ms | p99 ms | p99.9 ms | round trips per request | allocs/req (process) |")
-		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---|---:|")
+		fmt.Fprintln(w, "| receiver | req/s | p50 ms | p99 ms | p99.9 ms | round trips per request | allocs/req (process) | CPU µs/req (process + rest) |")
+		fmt.Fprintln(w, "|---|---:|---:|---:|---:|---|---:|---:|")
 		for _, rr := range m.Receivers {
 			st := rr.New
 			if m.DupShare >= 1 {
 				st = rr.Dup
 			}
-			fmt.Fprintf(w, "| %s | %.0f | %.2f | %.2f | %.2f | %s | %.0f |\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
-				strings.ReplaceAll(stmtsCell(st), "|", "/"), rr.AllocObjects)
+			fmt.Fprintf(w, "| %s | %.0f | %.2f | %.2f | %.2f | %s | %.0f | %s |\n", rr.Name, rr.Throughput, rr.P50Ms, rr.P99Ms, rr.P999Ms,
+				strings.ReplaceAll(stmtsCell(st), "|", "/"), rr.AllocObjects, cpuCell(rr))
 		}
 		for _, num := range ratioNums {
 			var parts []string
