@@ -106,3 +106,24 @@ func TestCountingTracerCountsPgxRoundTrips(t *testing.T) {
 		t.Fatalf("begin, query, exec, commit, rollback, business = %v, want %v", got, want)
 	}
 }
+
+// The CPU cell: this process + the rest of the machine, the rest left out
+// only where it is unknown (a cached duplicate may cost the rest nothing).
+func TestCPUCellTellsUnknownFromNothing(t *testing.T) {
+	zero, some := 0.0, 194.4
+	for _, c := range []struct {
+		rr   receiverReport
+		want string
+	}{
+		{receiverReport{ToolCPUus: 176.2, RestCPUus: &some}, "176+194"},
+		{receiverReport{ToolCPUus: 37, RestCPUus: &zero}, "37+0"},
+		{receiverReport{ToolCPUus: 37}, "37"},
+	} {
+		if got := cpuCell(c.rr); got != c.want {
+			t.Errorf("cpuCell(%+v) = %q, want %q", c.rr, got, c.want)
+		}
+	}
+	if s := machineBusy(); s <= 0 {
+		t.Errorf("machineBusy() = %v on Linux, want the CPUs' busy time", s)
+	}
+}

@@ -52,11 +52,11 @@ type receiverReport struct {
 	AllocObjects float64 `json:"process_allocs_per_request"`
 	// CPU time per request, in microseconds: the tool's process (senders
 	// and receiver), and the rest of the machine (PostgreSQL, Redis, the
-	// kernel); 0 where /proc/stat is missing.
-	ToolCPUus float64 `json:"tool_cpu_us_per_request"`
-	RestCPUus float64 `json:"rest_cpu_us_per_request"`
-	New       Stmts   `json:"new"`
-	Dup       Stmts   `json:"dup"`
+	// kernel); the second is left out where /proc/stat is missing.
+	ToolCPUus float64  `json:"tool_cpu_us_per_request"`
+	RestCPUus *float64 `json:"rest_cpu_us_per_request,omitempty"`
+	New       Stmts    `json:"new"`
+	Dup       Stmts    `json:"dup"`
 }
 
 type target struct {
@@ -106,7 +106,8 @@ func (r *report) addMix(m mix, rcs []*receiver) {
 			rr.AllocObjects = float64(res.allocObjs) / float64(res.requests)
 			rr.ToolCPUus = float64(res.cpu.self) / float64(time.Microsecond) / float64(res.requests)
 			if res.cpu.machine > 0 {
-				rr.RestCPUus = float64(max(res.cpu.machine-res.cpu.self, 0)) / float64(time.Microsecond) / float64(res.requests)
+				rest := float64(max(res.cpu.machine-res.cpu.self, 0)) / float64(time.Microsecond) / float64(res.requests)
+				rr.RestCPUus = &rest
 			}
 		}
 		tp[rc.name] = rr.Throughput
@@ -271,10 +272,10 @@ func (r *report) writeText(w io.Writer) {
 // process + the rest of the machine), or the first alone without
 // /proc/stat.
 func cpuCell(rr receiverReport) string {
-	if rr.RestCPUus == 0 {
+	if rr.RestCPUus == nil {
 		return fmt.Sprintf("%.0f", rr.ToolCPUus)
 	}
-	return fmt.Sprintf("%.0f+%.0f", rr.ToolCPUus, rr.RestCPUus)
+	return fmt.Sprintf("%.0f+%.0f", rr.ToolCPUus, *rr.RestCPUus)
 }
 
 // stmtsCell renders one path's statements: "5=1+4 [B1 Q2 E1 C1]".
