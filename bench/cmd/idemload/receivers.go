@@ -184,6 +184,9 @@ func newReceiver(ctx context.Context, e *env, kind string, shared *receiver) (*r
 	}
 	if err != nil {
 		rc.closePools()
+		if rc.otelStop != nil {
+			rc.otelStop()
+		}
 		return nil, err
 	}
 	rc.client = &http.Client{Transport: &http.Transport{
