@@ -165,14 +165,14 @@ func (m *Middleware) Stats() Stats {
 
 func (x *exchange) observe() {
 	x.observed = true
-	if x.m.observer != nil {
-		x.obs.Duration = time.Since(x.start)
-		x.m.observer(x.obs)
-	}
 	if x.endDelivery != nil {
 		end := x.endDelivery
 		x.endDelivery = nil
-		end(x.obs.Err)
+		defer end(x.obs.Err) // after the Observer, even one that panics
+	}
+	if x.m.observer != nil {
+		x.obs.Duration = time.Since(x.start)
+		x.m.observer(x.obs)
 	}
 }
 

@@ -121,6 +121,15 @@ func TestOnPhaseNestsThePhasesOfADelivery(t *testing.T) {
 		require.Error(t, err)
 		assert.Equal(t, "+delivery@0 +claim@1 -claim +handler@1 -handler! observe rolled_back@1 -delivery!", log.take())
 	})
+	t.Run("an Observer that panics: the delivery still ends", func(t *testing.T) {
+		other := &phaseLog{}
+		otherMW, _ := f.serveOn(f.db, idem.Options{OnPhase: other.onPhase, Observer: func(idem.Observation) { panic("observer") }})
+		key := idem.Key{Source: "test", EventID: "observer_panics"}
+		assert.PanicsWithValue(t, "observer", func() {
+			_, _ = otherMW.Do(context.Background(), key, nil, func(context.Context) ([]byte, error) { return []byte("ok"), nil })
+		})
+		assert.Equal(t, "+delivery@0 +claim@1 -claim +handler@1 -handler +commit@1 -commit -delivery", other.take())
+	})
 }
 
 // sendTo posts a delivery of id to another server of the same handler.

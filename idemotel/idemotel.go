@@ -25,12 +25,14 @@
 // "idem.wait" (a duplicate waiting for an original of its key, in memory
 // or in PostgreSQL inside the claim), "idem.handler" (the wrapped handler,
 // or Do's fn) and "idem.commit" (storing the answer and COMMIT), each with
-// its real start and end (a phase's span reaches the span processors when
-// its delivery's does, with its own end time: a batch span processor's
-// goroutine then wakes once for each delivery). The handler's context, and the context of the
-// claim's and the COMMIT's statements, carry these spans: a traced driver
-// (otelpgx in pgx's tracer slot, otelsql for database/sql) records its SQL
-// spans under them.
+// its real start and end. A phase's span reaches the span processors when
+// its delivery's does, with its own end time, so that a batch span
+// processor's goroutine wakes once for a delivery rather than once for
+// each span; until then it is still recording (what code that outlives the
+// phase adds to it through trace.SpanFromContext is kept). The handler's
+// context, and the context of the claim's and the COMMIT's statements,
+// carry these spans: a traced driver (otelpgx in pgx's tracer slot,
+// otelsql for database/sql) records its SQL spans under them.
 //
 // No semantic conventions exist for idempotency; the spans' attributes are
 // these (see the constants below):
@@ -174,6 +176,9 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // the metrics, to bound their cardinality: fold sources built from the
 // request into a small set, or return "" to leave the attribute out. The
 // spans keep the source as it is. The default keeps it on metrics too.
+// label is called at a source's first delivery (and, past the first 1,000
+// sources, at each delivery of the others): it must give a source the
+// same label every time.
 func WithSourceAttribute(label func(source string) string) Option {
 	return optionFunc(func(c *config) { c.sourceLabel = label })
 }
@@ -207,11 +212,14 @@ type Instrumentation struct {
 
 	sources  sync.Map     // a key's source → *source, made once for each
 	nsources atomic.Int32 // how many sources holds
+	labels   sync.Map     // a metric label → *labelSets
+	nlabels  atomic.Int32
 }
 
-// maxSources bounds what Instrumentation keeps for sources: past it (a
-// source built from the request, a tenant's id), each delivery of a new
-// source makes its own.
+// maxSources bounds what Instrumentation keeps for sources, and for labels:
+// past it (sources built from the request, a tenant's id), each delivery
+// of a source not kept makes its span's name and start attributes again,
+// and finds its label's sets among those kept.
 const maxSources = 1000
 
 // source is what idemotel records for every delivery of one source, made
@@ -220,9 +228,15 @@ const maxSources = 1000
 type source struct {
 	spanName  string
 	spanStart trace.SpanStartOption // idem.source on the delivery's span
-	label     string                // the metric attribute (WithSourceAttribute)
-	plain     metric.MeasurementOption
-	outcomes  [idem.OutcomeFenced + 1]metric.MeasurementOption // idem.requests' sets, by outcome
+	*labelSets
+}
+
+// labelSets are the metrics' attribute sets of one idem.source label,
+// which several sources may share (WithSourceAttribute).
+type labelSets struct {
+	label    string
+	plain    metric.MeasurementOption
+	outcomes [idem.OutcomeFenced + 1]metric.MeasurementOption // idem.requests' sets, by outcome
 }
 
 // New makes the tracer and the instruments. It fails only if the
@@ -302,6 +316,7 @@ type deliveryKey struct{}
 type delivery struct {
 	span trace.Span
 	src  *source
+	key  idem.Key // whose delivery: a nested call of Do has its own
 
 	// The spans of the phases that ended, ended with the delivery's span
 	// at their own end times: a batch span processor's goroutine then
@@ -324,7 +339,7 @@ type endedPhase struct {
 // ends it. Pass it as idem.Options.OnPhase.
 func (i *Instrumentation) OnPhase(ctx context.Context, p idem.Phase, key idem.Key) (context.Context, func(error)) {
 	if p == idem.PhaseDelivery {
-		d := &delivery{src: i.source(key.Source)}
+		d := &delivery{src: i.source(key.Source), key: key}
 		if i.eventID {
 			ctx, d.span = i.tracer.Start(ctx, d.src.spanName, d.src.spanStart, trace.WithAttributes(AttrEventID.String(key.EventID)))
 		} else {
@@ -336,6 +351,9 @@ func (i *Instrumentation) OnPhase(ctx context.Context, p idem.Phase, key idem.Ke
 		return ctx, nil // a phase this version does not know
 	}
 	d, _ := ctx.Value(deliveryKey{}).(*delivery)
+	if d != nil && d.key != key {
+		d = nil // a delivery around this one: a call of Do inside a handler
+	}
 	var src *source
 	if d != nil {
 		src = d.src
@@ -403,6 +421,7 @@ func (i *Instrumentation) Observe(o idem.Observation) {
 	}
 	outcome := o.Outcome.String()
 	d, traced := ctx.Value(deliveryKey{}).(*delivery)
+	traced = traced && d.key == o.Key // not a delivery around this one (Do inside a handler)
 	if !traced {
 		// No OnPhase, or a request rejected before its key was known.
 		d = &delivery{src: i.source(o.Key.Source)}
@@ -476,18 +495,13 @@ func (i *Instrumentation) source(name string) *source {
 	if src, ok := i.sources.Load(name); ok {
 		return src.(*source)
 	}
-	src := &source{spanName: "idem", spanStart: trace.WithAttributes(AttrSource.String(name)), label: name}
+	label := name
+	if i.sourceLabel != nil && name != "" {
+		label = i.sourceLabel(name)
+	}
+	src := &source{spanName: "idem", spanStart: trace.WithAttributes(AttrSource.String(name)), labelSets: i.labelSets(label)}
 	if name != "" {
 		src.spanName += " " + name
-	}
-	if i.sourceLabel != nil && name != "" {
-		src.label = i.sourceLabel(name)
-	}
-	src.plain = metricSet(src.label, "")
-	for o := range src.outcomes {
-		if o > 0 {
-			src.outcomes[o] = metricSet(src.label, idem.Outcome(o).String())
-		}
 	}
 	if i.nsources.Load() >= maxSources {
 		return src
@@ -499,12 +513,33 @@ func (i *Instrumentation) source(name string) *source {
 	return got.(*source)
 }
 
-// requests is idem.requests' attribute set for a delivery of outcome o.
-func (src *source) requests(o idem.Outcome) metric.MeasurementOption {
-	if o > 0 && int(o) < len(src.outcomes) {
-		return src.outcomes[o]
+// labelSets returns the metrics' attribute sets of label, made once.
+func (i *Instrumentation) labelSets(label string) *labelSets {
+	if ls, ok := i.labels.Load(label); ok {
+		return ls.(*labelSets)
 	}
-	return metricSet(src.label, o.String()) // an outcome this version does not know
+	ls := &labelSets{label: label, plain: metricSet(label, "")}
+	for o := range ls.outcomes {
+		if o > 0 {
+			ls.outcomes[o] = metricSet(label, idem.Outcome(o).String())
+		}
+	}
+	if i.nlabels.Load() >= maxSources {
+		return ls
+	}
+	got, loaded := i.labels.LoadOrStore(label, ls)
+	if !loaded {
+		i.nlabels.Add(1)
+	}
+	return got.(*labelSets)
+}
+
+// requests is idem.requests' attribute set for a delivery of outcome o.
+func (ls *labelSets) requests(o idem.Outcome) metric.MeasurementOption {
+	if o > 0 && int(o) < len(ls.outcomes) {
+		return ls.outcomes[o]
+	}
+	return metricSet(ls.label, o.String()) // an outcome this version does not know
 }
 
 // metricSet is the attribute set of a source label and an outcome (either

@@ -15,10 +15,12 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemotel"
@@ -529,8 +531,65 @@ func TestPhaseSpansEndWithTheirDelivery(t *testing.T) {
 	assert.Equal(t, "idem test", got[6].Name(), "the delivery's span ends last")
 	assert.True(t, got[6].EndTime().After(ends[5].Add(5*time.Millisecond)))
 
-	// A phase outside any delivery ends at once.
+	// A phase outside any delivery ends at once; so does one that ends
+	// after its delivery did.
 	_, end := tel.OnPhase(context.Background(), idem.PhaseClaim, key)
 	end(nil)
 	assert.Len(t, spans.Ended(), 8)
+	_, late := tel.OnPhase(ctx, idem.PhaseCommit, key)
+	late(nil)
+	assert.Len(t, spans.Ended(), 9)
+}
+
+// Sources past the first thousand (built from the request, folded by
+// WithSourceAttribute) are still counted under their label.
+func TestManySourcesFoldedIntoOneLabel(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	tel, err := idemotel.New(idemotel.WithMeterProvider(mp), idemotel.WithTracerProvider(noop.NewTracerProvider()),
+		idemotel.WithSourceAttribute(func(string) string { return "github" }))
+	require.NoError(t, err)
+	for n := range 1500 {
+		key := idem.Key{Source: fmt.Sprintf("github:%d", n), EventID: "e"}
+		ctx, end := tel.OnPhase(context.Background(), idem.PhaseDelivery, key)
+		tel.Observe(idem.Observation{Outcome: idem.OutcomeCompleted, Key: key, Context: ctx})
+		end(nil)
+	}
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	points := find(t, rm, "idem.requests").Data.(metricdata.Sum[int64]).DataPoints
+	require.Len(t, points, 1)
+	src, _ := points[0].Attributes.Value(idemotel.AttrSource)
+	assert.Equal(t, "github", src.AsString())
+	assert.EqualValues(t, 1500, points[0].Value)
+}
+
+// A call of Do inside a handler is a delivery of its own: observed
+// without OnPhase, it gets its own span, and the outer delivery's keeps
+// its own outcome.
+func TestANestedDeliveryIsObservedOnItsOwnSpan(t *testing.T) {
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	tel, err := idemotel.New(idemotel.WithTracerProvider(tp))
+	require.NoError(t, err)
+	outer, inner := idem.Key{Source: "outer", EventID: "e1"}, idem.Key{Source: "inner", EventID: "e2"}
+
+	ctx, end := tel.OnPhase(context.Background(), idem.PhaseDelivery, outer)
+	tel.Observe(idem.Observation{Outcome: idem.OutcomeReplayed, Key: inner, Context: ctx})
+	tel.Observe(idem.Observation{Outcome: idem.OutcomeCompleted, Key: outer, Context: ctx})
+	end(nil)
+
+	got := spans.Ended()
+	require.Len(t, got, 2)
+	outcomes := map[string]string{}
+	for _, s := range got {
+		for _, kv := range s.Attributes() {
+			if kv.Key == idemotel.AttrOutcome {
+				outcomes[s.Name()] = kv.Value.AsString()
+			}
+		}
+	}
+	assert.Equal(t, map[string]string{"idem inner": "replayed", "idem outer": "completed"}, outcomes)
 }

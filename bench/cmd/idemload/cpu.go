@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"os"
 	"strconv"
-	"syscall"
 	"time"
 )
 
@@ -23,13 +22,7 @@ type cpuSample struct {
 }
 
 func readCPU() cpuSample {
-	var s cpuSample
-	var ru syscall.Rusage
-	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
-		s.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-	}
-	s.machine = machineBusy()
-	return s
+	return cpuSample{self: processCPU(), machine: machineBusy()}
 }
 
 // clockTick is /proc/stat's unit, USER_HZ: 100 on every Linux that Go runs
@@ -37,8 +30,10 @@ func readCPU() cpuSample {
 const clockTick = 10 * time.Millisecond
 
 // machineBusy is the busy time of all CPUs together, from the "cpu" line
-// of /proc/stat: user, nice, system, irq, softirq and steal (not idle,
-// iowait or guest, which user already counts).
+// of /proc/stat: user, nice, system, irq and softirq (not idle or iowait;
+// not steal, the time a hypervisor gave to other machines; not guest,
+// which user already counts). It is every process's: what else runs on
+// the machine counts as the rest too.
 func machineBusy() time.Duration {
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil || !bytes.HasPrefix(b, []byte("cpu ")) {
@@ -47,7 +42,7 @@ func machineBusy() time.Duration {
 	line, _, _ := bytes.Cut(b, []byte("\n"))
 	f := bytes.Fields(line)[1:] // user nice system idle iowait irq softirq steal guest guest_nice
 	var busy int64
-	for _, i := range []int{0, 1, 2, 5, 6, 7} {
+	for _, i := range []int{0, 1, 2, 5, 6} {
 		if i < len(f) {
 			v, err := strconv.ParseInt(string(f[i]), 10, 64)
 			if err != nil {

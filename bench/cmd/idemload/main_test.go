@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -83,16 +84,20 @@ func TestCountingTracerCountsPgxRoundTrips(t *testing.T) {
 	var tr countingTracer
 	c := &reqCount{}
 	ctx := withCount(context.Background(), c)
+	send := func(b *pgx.Batch) { tr.TraceBatchStart(ctx, nil, pgx.TraceBatchStartData{Batch: b}) }
 	batch := func(sqls ...string) {
 		var b pgx.Batch
 		for _, s := range sqls {
 			b.Queue(s)
 		}
-		tr.TraceBatchStart(ctx, nil, pgx.TraceBatchStartData{Batch: &b})
+		send(&b)
 	}
 	query := func(sql string) { tr.TraceQueryStart(ctx, nil, pgx.TraceQueryStartData{SQL: sql}) }
 
-	batch("begin isolation level read committed", "SELECT pg_try_advisory_xact_lock($3)")
+	var claim pgx.Batch // as idempgx begins: pgx queues the BEGIN first
+	claim.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	claim.Queue("SELECT pg_try_advisory_xact_lock($3)")
+	send(&claim)
 	query(businessPrefix + "idempgx (event_id, body) VALUES ($1, $2)")
 	batch("INSERT INTO keys_idempgx VALUES ($1)", "COMMIT")
 	batch("SELECT 1", "SELECT 2")
@@ -123,7 +128,13 @@ func TestCPUCellTellsUnknownFromNothing(t *testing.T) {
 			t.Errorf("cpuCell(%+v) = %q, want %q", c.rr, got, c.want)
 		}
 	}
+	if runtime.GOOS != "linux" {
+		return // no /proc/stat
+	}
 	if s := machineBusy(); s <= 0 {
 		t.Errorf("machineBusy() = %v on Linux, want the CPUs' busy time", s)
+	}
+	if s := processCPU(); s <= 0 {
+		t.Errorf("processCPU() = %v, want this process's CPU time", s)
 	}
 }
