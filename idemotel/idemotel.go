@@ -210,10 +210,37 @@ type Instrumentation struct {
 	waitMem   metric.Int64ObservableUpDownCounter
 	meter     metric.Meter
 
-	sources  sync.Map     // a key's source → *source, made once for each
-	nsources atomic.Int32 // how many sources holds
-	labels   sync.Map     // a metric label → *labelSets
-	nlabels  atomic.Int32
+	sources bounded[*source]    // by a key's source, made once for each
+	labels  bounded[*labelSets] // by metric label
+}
+
+// bounded is a map safe for concurrent use that keeps at most maxSources
+// entries.
+type bounded[V any] struct {
+	m sync.Map
+	n atomic.Int32
+}
+
+func (b *bounded[V]) load(k string) (V, bool) {
+	v, ok := b.m.Load(k)
+	if !ok {
+		var zero V
+		return zero, false
+	}
+	return v.(V), true
+}
+
+// keep stores v under k, unless the map is full, and returns what k holds
+// (or v).
+func (b *bounded[V]) keep(k string, v V) V {
+	if b.n.Load() >= maxSources {
+		return v
+	}
+	got, loaded := b.m.LoadOrStore(k, v)
+	if !loaded {
+		b.n.Add(1)
+	}
+	return got.(V)
 }
 
 // maxSources bounds what Instrumentation keeps for sources, and for labels:
@@ -492,8 +519,8 @@ func errorType(err error) (string, bool) {
 // source returns what idemotel records for every delivery of a key's
 // source, made at its first delivery.
 func (i *Instrumentation) source(name string) *source {
-	if src, ok := i.sources.Load(name); ok {
-		return src.(*source)
+	if src, ok := i.sources.load(name); ok {
+		return src
 	}
 	label := name
 	if i.sourceLabel != nil && name != "" {
@@ -503,20 +530,13 @@ func (i *Instrumentation) source(name string) *source {
 	if name != "" {
 		src.spanName += " " + name
 	}
-	if i.nsources.Load() >= maxSources {
-		return src
-	}
-	got, loaded := i.sources.LoadOrStore(name, src)
-	if !loaded {
-		i.nsources.Add(1)
-	}
-	return got.(*source)
+	return i.sources.keep(name, src)
 }
 
 // labelSets returns the metrics' attribute sets of label, made once.
 func (i *Instrumentation) labelSets(label string) *labelSets {
-	if ls, ok := i.labels.Load(label); ok {
-		return ls.(*labelSets)
+	if ls, ok := i.labels.load(label); ok {
+		return ls
 	}
 	ls := &labelSets{label: label, plain: metricSet(label, "")}
 	for o := range ls.outcomes {
@@ -524,14 +544,7 @@ func (i *Instrumentation) labelSets(label string) *labelSets {
 			ls.outcomes[o] = metricSet(label, idem.Outcome(o).String())
 		}
 	}
-	if i.nlabels.Load() >= maxSources {
-		return ls
-	}
-	got, loaded := i.labels.LoadOrStore(label, ls)
-	if !loaded {
-		i.nlabels.Add(1)
-	}
-	return got.(*labelSets)
+	return i.labels.keep(label, ls)
 }
 
 // requests is idem.requests' attribute set for a delivery of outcome o.

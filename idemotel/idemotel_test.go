@@ -504,11 +504,7 @@ func histCount(t testing.TB, rm metricdata.ResourceMetrics, name string) int64 {
 // own end time (so that a batch processor wakes once per delivery); past
 // four phases (a duplicate that waits again and again), at once.
 func TestPhaseSpansEndWithTheirDelivery(t *testing.T) {
-	spans := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	tel, err := idemotel.New(idemotel.WithTracerProvider(tp))
-	require.NoError(t, err)
+	spans, tel := recordedSpans(t)
 	key := idem.Key{Source: "test", EventID: "e1"}
 
 	ctx, endDelivery := tel.OnPhase(context.Background(), idem.PhaseDelivery, key)
@@ -569,11 +565,7 @@ func TestManySourcesFoldedIntoOneLabel(t *testing.T) {
 // without OnPhase, it gets its own span, and the outer delivery's keeps
 // its own outcome.
 func TestANestedDeliveryIsObservedOnItsOwnSpan(t *testing.T) {
-	spans := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	tel, err := idemotel.New(idemotel.WithTracerProvider(tp))
-	require.NoError(t, err)
+	spans, tel := recordedSpans(t)
 	outer, inner := idem.Key{Source: "outer", EventID: "e1"}, idem.Key{Source: "inner", EventID: "e2"}
 
 	ctx, end := tel.OnPhase(context.Background(), idem.PhaseDelivery, outer)
@@ -592,4 +584,14 @@ func TestANestedDeliveryIsObservedOnItsOwnSpan(t *testing.T) {
 		}
 	}
 	assert.Equal(t, map[string]string{"idem inner": "replayed", "idem outer": "completed"}, outcomes)
+}
+
+// recordedSpans is an Instrumentation whose ended spans spans records.
+func recordedSpans(t *testing.T) (*tracetest.SpanRecorder, *idemotel.Instrumentation) {
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	tel, err := idemotel.New(idemotel.WithTracerProvider(tp))
+	require.NoError(t, err)
+	return spans, tel
 }
