@@ -203,12 +203,12 @@ type countingTracer struct{}
 
 func (countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	n := countFrom(ctx)
-	switch word := firstWord(d.SQL); word {
-	case "begin":
+	switch {
+	case isVerb(d.SQL, "begin"):
 		n.begin.Add(1)
-	case "commit":
+	case isVerb(d.SQL, "commit"):
 		n.commit.Add(1)
-	case "rollback":
+	case isVerb(d.SQL, "rollback"):
 		n.rollback.Add(1)
 	default:
 		n.query.Add(1)
@@ -224,11 +224,11 @@ func (countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEn
 func (countingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	n, qs := countFrom(ctx), d.Batch.QueuedQueries
 	switch {
-	case len(qs) > 0 && firstWord(qs[0].SQL) == "begin":
+	case len(qs) > 0 && isVerb(qs[0].SQL, "begin"):
 		n.begin.Add(1)
-	case len(qs) > 0 && firstWord(qs[len(qs)-1].SQL) == "commit":
+	case len(qs) > 0 && isVerb(qs[len(qs)-1].SQL, "commit"):
 		n.commit.Add(1)
-	case len(qs) > 0 && firstWord(qs[len(qs)-1].SQL) == "rollback":
+	case len(qs) > 0 && isVerb(qs[len(qs)-1].SQL, "rollback"):
 		n.rollback.Add(1)
 	default:
 		n.query.Add(1)
@@ -244,11 +244,12 @@ func (countingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.Tr
 func (countingTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 func (countingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
-// firstWord is a statement's first word, in lower case.
-func firstWord(sql string) string {
+// isVerb reports whether a statement's first word is verb, in any case
+// (without allocating: the tracer runs in the measured requests).
+func isVerb(sql, verb string) bool {
 	sql = strings.TrimSpace(sql)
 	if i := strings.IndexAny(sql, " \t\n;"); i >= 0 {
 		sql = sql[:i]
 	}
-	return strings.ToLower(sql)
+	return strings.EqualFold(sql, verb)
 }
